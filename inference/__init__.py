@@ -1,0 +1,29 @@
+"""How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
+
+from .accept import Sampling
+from .drafters import Drafter, EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter
+from .generate import Generation, GenerationStats, generate
+from .target import load_target
+from .tree import DynamicTreeSpec, StaticTree, Tree, TreeError, best_static_paths, chain_paths, static_tree
+
+__all__ = [
+    "Drafter",
+    "DynamicTreeSpec",
+    "EagleDrafter",
+    "Generation",
+    "GenerationStats",
+    "MedusaDrafter",
+    "MergedDrafter",
+    "NoDrafter",
+    "OracleDrafter",
+    "PromptLookupDrafter",
+    "Sampling",
+    "StaticTree",
+    "Tree",
+    "TreeError",
+    "best_static_paths",
+    "chain_paths",
+    "generate",
+    "load_target",
+    "static_tree",
+]

@@ -1,0 +1,76 @@
+"""Acceptance: which tree nodes the target agrees with. Pure functions over tensors.
+
+The target picks its own token at EVERY tree node (argmax, or a sample from its processed distribution);
+a draft node is accepted when its token is what the target picked at its parent and all its ancestors
+are accepted. The deepest accepted node's own pick is the bonus token.
+
+Sampling is lossless: our drafters propose deterministic candidates (top-k of a head, a copied span), and
+for such drafts the rule "accept child x with probability p(x), else set p(x) = 0, renormalise, try the
+next sibling, finally sample from the residual" returns a token distributed exactly as p. It is the same
+as drawing y ~ p once and descending into the child whose token is y: that is what we do, drawing one
+y per node in a single `multinomial` call (a node's draw is used only if the walk reaches it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no top-k filter), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warpers(self) -> LogitsProcessorList:
+        """Hugging Face's own warpers, in generate()'s order, so 'the target's distribution' means the same."""
+        warpers = LogitsProcessorList()
+        if self.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            warpers.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
+
+
+def target_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[N, V] logits -> [N, V] probabilities of the target's processed distribution (temperature > 0)."""
+    return torch.softmax(sampling.warpers()(None, logits.float()), dim=-1)
+
+
+def target_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's own choice at every node: [N, V] -> [N]."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    probs = target_probabilities(logits, sampling)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def accepted_path(tree: Tree, chosen: torch.Tensor) -> torch.Tensor:
+    """Node indices from the root to the deepest node whose whole path the target agrees with.
+
+    chosen[i] is the target's token at node i; node i is right when tokens[i] == chosen[parent[i]].
+    """
+    right = tree.tokens == chosen[tree.parents.clamp(min=0)]
+    right[0] = True
+    accepted = ~(tree.ancestors & ~right).any(dim=-1)
+    deepest = torch.where(accepted, tree.depth, -1).argmax()
+    return tree.ancestors[deepest].nonzero().squeeze(-1)  # topological order = root first

@@ -1,0 +1,290 @@
+"""Drafters: where candidate trees come from, behind one small interface.
+
+The decode loop only ever calls three methods (transformers' candidate generators have the same shape):
+- `reset()`                      a new sequence starts;
+- `observe(hidden, next_tokens)` the target has processed k more tokens: `hidden[layer]` is their [k, H]
+                                 hidden states for each layer in `hidden_layers`, `next_tokens[k]` the
+                                 committed tokens that follow each of them (the last is the new root);
+- `propose(tokens, max_depth)`   a Tree rooted at tokens[-1], no deeper than max_depth.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from transformers import DynamicCache
+
+from heads import EagleHead, HeadConfigError, MedusaHeads
+
+from .tree import (
+    DynamicTreeSpec,
+    StaticTree,
+    Tree,
+    TreeError,
+    best_static_paths,
+    default_accuracy,
+    merge_trees,
+    select_best_nodes,
+    static_tree,
+)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    hidden_layers: tuple[int, ...]
+
+    def reset(self) -> None: ...
+
+    def observe(self, hidden: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None: ...
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree: ...
+
+
+def root_only(tokens: torch.Tensor) -> Tree:
+    return Tree.chain(tokens[-1:])
+
+
+class NoDrafter:
+    """Plain decoding through the same loop: every tree is just the root."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, hidden, next_tokens) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        return root_only(tokens)
+
+
+def _check_head_fits(config, model, what: str) -> None:
+    target = model.config
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise HeadConfigError(
+            f"{what} expects hidden size {config.hidden_size} and vocab {config.vocab_size}, but the target "
+            f"{getattr(target, '_name_or_path', '') or target.model_type!r} has {target.hidden_size} and "
+            f"{target.vocab_size}: these heads were built for another base model"
+        )
+
+
+def _as_static_tree(tree) -> StaticTree:
+    if isinstance(tree, StaticTree):
+        return tree
+    if isinstance(tree, (list, tuple)):
+        return static_tree(tree)
+    raise TreeError(f"expected a static tree (a list of paths such as [(0,), (0, 0), (1,)]), got {tree!r}")
+
+
+class MedusaDrafter:
+    """Head d proposes its top candidates for depth d; a static tree picks which ranks to verify."""
+
+    hidden_layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads, model, tree=None):
+        _check_head_fits(heads.config, model, "these Medusa heads")
+        k = heads.config.num_heads
+        self.tree = _as_static_tree(tree) if tree is not None else static_tree(
+            best_static_paths(15, default_accuracy(depth=k, ranks=4))
+        )
+        if self.tree.max_depth > k:
+            raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
+        self.heads, self.lm_head = heads, model.get_output_embeddings()
+        self.hidden = None
+
+    def reset(self) -> None:
+        self.hidden = None
+
+    def observe(self, hidden, next_tokens) -> None:
+        self.hidden = hidden[-1][-1]  # the state that produced the root
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        logits = self.heads(self.hidden, self.lm_head)[: self.tree.max_depth]  # [depth, V], one projection
+        candidates = logits.topk(self.tree.max_rank + 1, dim=-1).indices
+        return self.tree.fill(tokens[-1], candidates).truncate(max_depth)
+
+
+class EagleDrafter:
+    """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
+
+    The head reads pairs (feature of token t, token t+1) at position t. After `observe` its cache holds
+    every committed pair, and `self.last` is its output for the newest one: the predicted feature of the
+    root, whose logits give the depth-1 candidates. `propose` grows the tree depth by depth with tree
+    attention inside the head, then drops the draft entries from the head's cache again.
+    """
+
+    def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
+        _check_head_fits(head.config, model, "this EAGLE head")
+        if tree is not None and not isinstance(tree, DynamicTreeSpec):
+            raise TreeError(f"the EAGLE drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
+        self.spec = tree or DynamicTreeSpec()
+        self.head = head
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.hidden_layers = tuple(head.config.feature_layers)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.length, self.last = DynamicCache(), 0, None
+
+    def observe(self, hidden, next_tokens) -> None:
+        feature = self.head.fuse_features([hidden[layer] for layer in self.hidden_layers])
+        k = next_tokens.shape[0]
+        positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
+        out = self.head(feature[None], self.embed(next_tokens)[None], position_ids=positions[None], past_key_values=self.cache)
+        self.last, self.length = out[0, -1], self.length + k
+
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_head(features).float(), dim=-1)
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        depth_limit = min(self.spec.depth, max_depth)
+        if depth_limit < 1:
+            return root_only(tokens)
+        k, device = self.spec.top_k, tokens.device
+        capacity = 1 + k + (depth_limit - 1) * k * k
+        node_tokens = torch.empty(capacity, dtype=torch.long, device=device)
+        parents = torch.empty_like(node_tokens)
+        depth = torch.empty_like(node_tokens)
+        scores = torch.empty(capacity, dtype=torch.float32, device=device)
+        ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
+        node_tokens[0], parents[0], depth[0], scores[0], ancestors[0, 0] = tokens[-1], -1, 0, 0.0, True
+
+        def add_children(frontier: torch.Tensor, log_probs: torch.Tensor, start: int) -> torch.Tensor:
+            top = log_probs.topk(k, dim=-1)  # [F, k]
+            children = torch.arange(start, start + top.indices.numel(), device=device)
+            child_parents = frontier.repeat_interleave(k)
+            node_tokens[children], parents[children] = top.indices.flatten(), child_parents
+            depth[children] = depth[child_parents] + 1
+            scores[children] = (scores[frontier, None] + top.values).flatten()
+            ancestors[children] = ancestors[child_parents]
+            ancestors[children, children] = True
+            return children
+
+        children = add_children(torch.zeros(1, dtype=torch.long, device=device), self._log_probs(self.last)[None], 1)
+        count, fed = 1 + k, []
+        frontier, frontier_features = children, self.last.expand(k, -1)
+        for level in range(1, depth_limit):
+            fed.append(frontier)
+            fed_nodes = torch.cat(fed)
+            allowed = torch.cat([torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=device), ancestors[frontier][:, fed_nodes]], dim=1)
+            mask = torch.zeros(allowed.shape, dtype=frontier_features.dtype, device=device).masked_fill_(~allowed, torch.finfo(frontier_features.dtype).min)
+            positions = torch.full((1, frontier.shape[0]), self.length + level, device=device)
+            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
+            children = add_children(frontier, self._log_probs(out), count)
+            count += children.shape[0]
+            best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest
+            frontier, frontier_features = children[best], out[best // k]
+        self.cache.crop(-sum(f.shape[0] for f in fed))
+
+        keep = select_best_nodes(scores[:count], depth[:count], self.spec.nodes)
+        new_index = torch.full((count,), -1, dtype=torch.long, device=device)
+        new_index[keep] = torch.arange(keep.shape[0], device=device)
+        kept_parents = parents[keep]
+        kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
+        kept_depth = depth[keep]
+        return Tree(node_tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
+
+
+class PromptLookupDrafter:
+    """Copy what followed the latest earlier occurrence of the last n tokens (longest n first)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10):
+        if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, {max_ngram}, {num_tokens}")
+        self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, hidden, next_tokens) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        length = tokens.shape[0]
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            windows = tokens[: length - 1].unfold(0, n, 1)  # every n-gram with at least one token after it
+            starts = (windows == tokens[length - n :]).all(dim=-1).nonzero()
+            if starts.shape[0]:
+                begin = int(starts[-1]) + n
+                span = tokens[begin : begin + min(self.num_tokens, max_depth)]
+                return Tree.chain(torch.cat([tokens[-1:], span]))
+        return root_only(tokens)
+
+
+class MergedDrafter:
+    """Several drafters' trees merged into ONE tree, verified in the same target pass."""
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        if not drafters:
+            raise ValueError("MergedDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+        self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
+
+    def reset(self) -> None:
+        for drafter in self.drafters:
+            drafter.reset()
+
+    def observe(self, hidden, next_tokens) -> None:
+        for drafter in self.drafters:
+            drafter.observe(hidden, next_tokens)
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        tree = self.drafters[0].propose(tokens, max_depth)
+        for drafter in self.drafters[1:]:
+            tree = merge_trees(tree, drafter.propose(tokens, max_depth))
+        return tree
+
+
+class OracleDrafter:
+    """Knows the answer: proposes the true continuation on rank 0 of a static tree, wrong tokens elsewhere.
+
+    For measuring the engine's own overhead (every step accepts the deepest path, so cache compaction runs
+    at every depth) and for tests. `continuation` is the whole expected sequence, prompt included.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuation: torch.Tensor, tree, vocab_size: int):
+        self.continuation, self.tree, self.vocab_size = continuation, _as_static_tree(tree), vocab_size
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, hidden, next_tokens) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        position = tokens.shape[0]
+        truth = self.continuation[position : position + min(self.tree.max_depth, max_depth)]
+        if truth.shape[0] == 0:
+            return root_only(tokens)
+        depth = truth.shape[0]
+        truth = torch.cat([truth, truth[-1:].expand(self.tree.max_depth - depth)])  # rows past the end: cut below
+        ranks = torch.arange(self.tree.max_rank + 1, device=truth.device)
+        candidates = (truth[:, None] + ranks) % self.vocab_size  # rank 0 right, the others wrong
+        return self.tree.fill(tokens[-1], candidates).truncate(depth)
+
+
+def as_drafter(heads, model, tree=None) -> Drafter:
+    """What generate() accepts as `heads`: None, loaded heads, a drafter, or a list of them to merge."""
+    if heads is None:
+        if tree is not None:
+            raise TreeError("a tree was given but no heads or drafter to fill it")
+        return NoDrafter()
+    if isinstance(heads, MedusaHeads):
+        return MedusaDrafter(heads, model, tree)
+    if isinstance(heads, EagleHead):
+        return EagleDrafter(heads, model, tree)
+    if isinstance(heads, (list, tuple)):
+        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, (MedusaHeads, EagleHead)) else None) for h in heads])
+    if isinstance(heads, Drafter):
+        if tree is not None:
+            raise TreeError(f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead")
+        return heads
+    raise TypeError(
+        f"heads must be None, MedusaHeads, EagleHead (see heads.load_heads), a Drafter, or a list of them; got {type(heads).__name__}"
+    )

@@ -1,0 +1,262 @@
+"""Token trees and the tensors that let ONE target forward pass verify them.
+
+A tree is `tokens[N]` and `parents[N]` in topological order: node 0 is the root (the last committed token,
+which the target has not processed yet) with parent -1, and every other node's parent has a smaller index.
+Everything else (depths, the ancestor matrix, the attention mask, positions, root-to-leaf paths) is
+derived here by pure tensor functions, tested on their own in tests/test_tree.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+class TreeError(ValueError):
+    """A tree or tree setting that cannot be verified."""
+
+
+def depths_and_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """depth[N], ancestors[N, N] (ancestors[i, j]: j is i or an ancestor of i) and the maximum depth.
+
+    Walks all nodes up one level per iteration, so the Python loop runs max-depth times, not N times.
+    """
+    n = parents.shape[0]
+    nodes = torch.arange(n, device=parents.device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    depth = torch.zeros(n, dtype=torch.long, device=parents.device)
+    current = parents
+    max_depth = 0
+    while True:
+        alive = current >= 0
+        if not bool(alive.any()):
+            return depth, ancestors, max_depth
+        ancestors[nodes[alive], current[alive]] = True
+        depth += alive
+        max_depth += 1
+        current = torch.where(alive, parents[current.clamp(min=0)], current)
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """Raise TreeError unless node 0 is the only root and every parent precedes its child."""
+    n = parents.shape[0]
+    if parents.dim() != 1 or n == 0:
+        raise TreeError(f"parents must be a non-empty 1-D tensor, got shape {tuple(parents.shape)}")
+    if int(parents[0]) != -1:
+        raise TreeError(f"node 0 must be the root (parent -1), got parent {int(parents[0])}")
+    bad = (parents[1:] < 0) | (parents[1:] >= torch.arange(1, n, device=parents.device))
+    if bool(bad.any()):
+        node = int(bad.nonzero()[0]) + 1
+        raise TreeError(f"node {node} has parent {int(parents[node])}: parents must precede their children")
+
+
+@dataclass(frozen=True)
+class Tree:
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, parents[0] == -1
+    depth: torch.Tensor  # [N] long, root 0
+    ancestors: torch.Tensor  # [N, N] bool, includes self
+    max_depth: int
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, *, check: bool = True) -> "Tree":
+        if check:
+            check_parents(parents)
+            if tokens.shape != parents.shape:
+                raise TreeError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ in shape")
+        depth, ancestors, max_depth = depths_and_ancestors(parents)
+        return cls(tokens, parents, depth, ancestors, max_depth)
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "Tree":
+        """tokens[0] is the root, each next token the child of the one before."""
+        n = tokens.shape[0]
+        parents = torch.arange(-1, n - 1, device=tokens.device)
+        ancestors = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        return cls(tokens, parents, torch.arange(n, device=tokens.device), ancestors, n - 1)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def with_tokens(self, tokens: torch.Tensor) -> "Tree":
+        """The same shape with other tokens: static trees reuse their structure every step."""
+        return Tree(tokens, self.parents, self.depth, self.ancestors, self.max_depth)
+
+    def truncate(self, max_depth: int) -> "Tree":
+        """Keep the nodes at depth <= max_depth (an ancestor-closed subset, so still a tree)."""
+        if max_depth >= self.max_depth:
+            return self
+        keep = (self.depth <= max_depth).nonzero().squeeze(-1)
+        new_index = torch.full_like(self.parents, -1)
+        new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+        return Tree(self.tokens[keep], parents, self.depth[keep], self.ancestors[keep][:, keep], max_depth)
+
+
+def attention_mask(tree: Tree, past_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, past + N]: every node sees the whole past, itself and its ancestors.
+
+    Additive float rather than bool: a bool 4D mask is silently wrong under the eager attention kernel.
+    """
+    n = tree.size
+    mask = torch.zeros(1, 1, n, past_length + n, dtype=dtype, device=tree.tokens.device)
+    mask[0, 0, :, past_length:].masked_fill_(~tree.ancestors, torch.finfo(dtype).min)
+    return mask
+
+
+def position_ids(tree: Tree, past_length: int) -> torch.Tensor:
+    """[1, N]: a node sits at the position it would have in the sequence, past + depth."""
+    return (tree.depth + past_length).unsqueeze(0)
+
+
+def retrieve_indices(tree: Tree) -> torch.Tensor:
+    """[leaves, max_depth + 1]: node indices on each root-to-leaf path, padded with -1 (Medusa's layout)."""
+    n = tree.size
+    is_leaf = torch.ones(n, dtype=torch.bool, device=tree.parents.device)
+    is_leaf[tree.parents[1:]] = False
+    leaf_rows = tree.ancestors[is_leaf]  # [L, N]
+    out = torch.full((leaf_rows.shape[0], tree.max_depth + 1), -1, dtype=torch.long, device=tree.parents.device)
+    leaf, node = leaf_rows.nonzero(as_tuple=True)
+    out[leaf, tree.depth[node]] = node
+    return out
+
+
+# ---- static trees: Medusa-style "choices" -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """The shape of a static tree: node i is candidate `rank[i]` of the draft at depth `depth[i]`."""
+
+    paths: tuple[tuple[int, ...], ...]
+    rank: torch.Tensor  # [N] long, 0 for the root
+    structure: Tree  # tokens are placeholders
+
+    @property
+    def size(self) -> int:
+        return self.structure.size
+
+    @property
+    def max_depth(self) -> int:
+        return self.structure.max_depth
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max())
+
+    def fill(self, root: torch.Tensor, candidates: torch.Tensor) -> Tree:
+        """candidates[d, r]: the r-th best token for depth d + 1. Returns the tree with real tokens."""
+        s = self.structure
+        tokens = candidates[(s.depth - 1).clamp(min=0), self.rank]
+        tokens[0] = root
+        return s.with_tokens(tokens)
+
+
+def static_tree(paths: Sequence[Sequence[int]]) -> StaticTree:
+    """A tree from Medusa-style paths: (0,) is the best depth-1 candidate, (0, 1) the second-best
+    depth-2 candidate below it, and so on. Every prefix of a path must be a path too."""
+    unique = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    if not unique:
+        raise TreeError("a static tree needs at least one path, e.g. [(0,), (0, 0)]")
+    index = {(): 0}
+    parents, ranks = [-1], [0]
+    for path in unique:
+        if not path or min(path) < 0:
+            raise TreeError(f"tree path {path} must be a non-empty tuple of ranks >= 0")
+        if path[:-1] not in index:
+            raise TreeError(f"tree path {path} has no parent path {path[:-1]}: every prefix must be listed")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        ranks.append(path[-1])
+    parents_t = torch.tensor(parents)
+    structure = Tree.from_parents(torch.zeros_like(parents_t), parents_t)
+    return StaticTree(tuple(unique), torch.tensor(ranks), structure)
+
+
+def chain_paths(length: int) -> list[tuple[int, ...]]:
+    return [(0,) * d for d in range(1, length + 1)]
+
+
+def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:
+    """The `num_nodes` paths with the highest probability of being accepted, given accuracy[d][r]: the
+    chance that candidate r at depth d + 1 is the right token (Medusa's sparse-tree construction). A child
+    is never likelier than its parent, so best-first expansion keeps the set prefix-closed."""
+    frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_p, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):
+            for r, a in enumerate(accuracy[len(path)]):
+                heapq.heappush(frontier, (neg_p * a, path + (r,)))
+    return chosen
+
+
+def default_accuracy(depth: int, ranks: int, top1: float = 0.6, decay: float = 0.8) -> list[list[float]]:
+    """A plausible accuracy[d][r] for an untrained-shape prior: top-1 falling with depth, a long tail."""
+    out = []
+    for d in range(depth):
+        first = top1 * decay**d
+        rest = [(1 - first) * 0.3 * 0.5**r for r in range(ranks - 1)]
+        out.append([first, *rest])
+    return out
+
+
+# ---- dynamic trees: EAGLE-2 -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts."""
+
+    depth: int = 5
+    top_k: int = 4
+    nodes: int = 15  # draft nodes, root excluded: a verification pass covers nodes + 1 tokens
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.nodes < 1:
+            raise TreeError(f"DynamicTreeSpec needs depth, top_k and nodes >= 1, got {self}")
+
+
+def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices (ascending) of the root plus the `count` best non-root nodes by cumulative log-probability.
+
+    A child's score never exceeds its parent's; breaking ties toward the shallower node keeps the
+    selection ancestor-closed even when a step had probability 1.
+    """
+    key = scores.double() - 1e-9 * depth.double()
+    key[0] = float("inf")
+    count = min(count + 1, scores.shape[0])
+    return key.topk(count).indices.sort().values
+
+
+# ---- merging proposals of several drafters ---------------------------------------------------------
+
+
+def merge_trees(first: Tree, second: Tree) -> Tree:
+    """One tree holding every root-to-node path of both (shared prefixes once). Roots must agree.
+
+    A loop over the second tree's nodes (a copied span: ~10), on Python ints; far below a forward pass.
+    """
+    if int(first.tokens[0]) != int(second.tokens[0]):
+        raise TreeError("cannot merge trees with different roots")
+    tokens, parents = first.tokens.tolist(), first.parents.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    mapped = [0]
+    for parent, token in zip(second.parents.tolist()[1:], second.tokens.tolist()[1:]):
+        key = (mapped[parent], token)
+        if key not in child:
+            child[key] = len(tokens)
+            tokens.append(token)
+            parents.append(key[0])
+        mapped.append(child[key])
+    if len(tokens) == first.size:
+        return first
+    device = first.tokens.device
+    return Tree.from_parents(torch.tensor(tokens, device=device), torch.tensor(parents, device=device), check=False)
