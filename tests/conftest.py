@@ -1,0 +1,52 @@
+"""Tiny random-weight models built from configs (no download), and the shared data path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+SHARED = Path(os.environ.get("SPECHEADS_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+EOS = 3
+
+
+def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa", seed: int = 0, init: float = 0.15, eos: int | None = EOS):
+    """A 2-layer model whose logits are spread enough that float32 argmaxes are never near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=init, bos_token_id=None,
+        eos_token_id=eos, pad_token_id=None, attn_implementation=attn,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    else:
+        raise ValueError(family)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos if eos is not None else 0
+    return model.eval()
+
+
+def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    out = model.generate(
+        prompt[None], attention_mask=torch.ones(1, prompt.shape[0], dtype=torch.long), do_sample=False,
+        max_new_tokens=max_new_tokens,
+    )
+    return out[0, prompt.shape[0] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not (SHARED / "data").is_dir():
+        pytest.fail(f"shared data not found at {SHARED}; set SPECHEADS_SHARED to the folder holding data/")
+    return SHARED

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from inference.accept import Sampling, accepted_path, target_probabilities, target_tokens
+from inference.tree import Tree
+
+
+def tree_abc():
+    # 0(root) -> 1(tok 5) -> 3(tok 7) ; 0 -> 2(tok 6) -> 4(tok 8)
+    return Tree.from_parents(torch.tensor([9, 5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1, 2]))
+
+
+def test_deepest_agreeing_path_wins():
+    tree = tree_abc()
+    # target picks 6 at root, 8 after node 2, 1 after node 4 (the bonus)
+    chosen = torch.tensor([6, 0, 8, 0, 1])
+    assert accepted_path(tree, chosen).tolist() == [0, 2, 4]
+
+
+def test_a_wrong_ancestor_rejects_its_subtree():
+    tree = tree_abc()
+    chosen = torch.tensor([4, 7, 8, 0, 0])  # node 3's token 7 matches, but its parent 1 (tok 5) is wrong
+    assert accepted_path(tree, chosen).tolist() == [0]
+
+
+def test_chain_accepts_a_prefix():
+    tree = Tree.chain(torch.tensor([1, 2, 3, 4]))
+    assert accepted_path(tree, torch.tensor([2, 3, 9, 9])).tolist() == [0, 1, 2]
+    assert accepted_path(tree, torch.tensor([2, 3, 4, 5])).tolist() == [0, 1, 2, 3]
+
+
+def test_greedy_picks_argmax_and_sampling_is_seeded():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    assert target_tokens(logits, Sampling()).tolist() == [1, 0]
+    s = Sampling(temperature=1.0)
+    draws = [target_tokens(logits, s, torch.Generator().manual_seed(7)).tolist() for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+def test_warpers_match_hugging_face_semantics():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    probs = target_probabilities(logits, Sampling(temperature=0.5, top_k=3, top_p=0.9))
+    assert probs[0, 3] == 0  # removed by top-k
+    assert probs[0, 0] > 0.85 and torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)

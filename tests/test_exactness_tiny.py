@@ -1,0 +1,130 @@
+"""Greedy output equals Hugging Face greedy generate() token for token, on tiny random Llama and Qwen2."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_model
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, chain_paths, generate
+from inference.tree import default_accuracy
+
+PROMPTS = 50
+NEW_TOKENS = 40
+
+
+def random_prompts(vocab, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        prompt = torch.randint(4, vocab, (length,), generator=g)
+        if i % 3 == 0 and length > 6:  # repeated spans give prompt lookup something to copy
+            prompt = torch.cat([prompt, prompt[: length // 2]])
+        prompts.append(prompt)
+    return prompts
+
+
+def random_heads(model):
+    torch.manual_seed(1)
+    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4))
+    for p in medusa.parameters():
+        torch.nn.init.normal_(p, std=0.05)  # not the zero init: candidates should vary
+    eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
+    eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, 2, -1])).eval()
+    return medusa.eval(), eagle, eagle3
+
+
+@pytest.fixture(scope="module", params=[("llama", "sdpa"), ("qwen2", "eager")], ids=["llama-sdpa", "qwen2-eager"])
+def case(request):
+    family, attn = request.param
+    model = tiny_model(family, attn=attn)
+    prompts = random_prompts(model.config.vocab_size, PROMPTS, seed=hash(family) % 1000)
+    references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    return model, prompts, references
+
+
+def drafters_for(model, prompt, reference):
+    medusa, eagle, eagle3 = random_heads(model)
+    full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
+    vocab = model.config.vocab_size
+    tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
+    return {
+        "medusa-static": (medusa, [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]),
+        "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
+        "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
+        "prompt-lookup": (PromptLookupDrafter(max_ngram=2), None),
+        "lookup+eagle-merged": ([eagle, PromptLookupDrafter()], DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
+        "oracle-chain-5": (OracleDrafter(full, chain_paths(5), vocab), None),
+        "oracle-tree-30": (OracleDrafter(full, tree30, vocab), None),
+        "oracle+lookup-merged": ([OracleDrafter(full, tree30, vocab), PromptLookupDrafter()], None),
+    }
+
+
+def test_every_drafter_matches_hf_greedy(case):
+    model, prompts, references = case
+    mismatches, stopped_at_eos, deep_accepts = [], 0, 0
+    for i, (prompt, reference) in enumerate(zip(prompts, references)):
+        stopped_at_eos += len(reference) < NEW_TOKENS
+        for name, (heads, tree) in drafters_for(model, prompt, reference).items():
+            out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree)
+            if out.token_ids != reference:
+                mismatches.append((i, name, out.token_ids, reference))
+            if name == "oracle-tree-30":
+                deep_accepts += out.stats.mean_accepted > 3
+    assert not mismatches, mismatches[:3]
+    assert stopped_at_eos >= 5, "the prompts should exercise stopping at EOS"
+    assert deep_accepts >= PROMPTS // 2, "the oracle should get whole tree paths accepted"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_max_new_tokens_is_exact_even_when_the_tree_reaches_further(max_new_tokens):
+    model = tiny_model("llama", eos=None)
+    prompt = torch.arange(4, 20)
+    reference = hf_greedy(model, prompt, max_new_tokens)
+    full = torch.cat([prompt, torch.tensor(hf_greedy(model, prompt, 30))])
+    out = generate(model, OracleDrafter(full, chain_paths(8), 97), prompt, max_new_tokens=max_new_tokens)
+    assert out.token_ids == reference and len(out.token_ids) == max_new_tokens
+
+
+def test_no_token_past_eos_when_the_tree_runs_beyond_it():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        prompt = torch.randint(4, 97, (10,), generator=g)
+        reference = hf_greedy(model, prompt, 40)
+        if len(reference) < 40 and len(reference) > 2:
+            break
+    else:
+        pytest.fail("no prompt stopped at EOS")
+    assert reference[-1] == 3
+    full = torch.cat([prompt, torch.tensor(reference + [5, 6, 7, 8, 9, 10, 11, 12])])  # the oracle drafts past EOS
+    out = generate(model, OracleDrafter(full, chain_paths(8), 97), prompt, max_new_tokens=40)
+    assert out.token_ids == reference
+
+
+def test_stats_and_streamer():
+    model = tiny_model("llama", eos=None)
+    prompt = torch.arange(4, 12)
+    reference = hf_greedy(model, prompt, 20)
+    full = torch.cat([prompt, torch.tensor(reference)])
+    received = []
+
+    class Streamer:
+        def put(self, value):
+            received.append(value.flatten().tolist())
+
+        def end(self):
+            received.append("end")
+
+    out = generate(model, OracleDrafter(full, chain_paths(4), 97), prompt, max_new_tokens=20, streamer=Streamer())
+    assert received[0] == prompt.tolist() and received[-1] == "end"
+    assert sum(received[1:-1], []) == reference
+    assert len(received) - 2 == out.stats.target_forwards < 20  # several tokens per step
+    s = out.stats
+    assert s.new_tokens == 20 and s.mean_accepted == pytest.approx(20 / s.target_forwards)
+    assert s.seconds >= s.target_seconds + s.draft_seconds > 0
+    assert plain_mean_accepted(model, prompt) == 1.0
+
+
+def plain_mean_accepted(model, prompt):
+    return generate(model, None, prompt, max_new_tokens=10).stats.mean_accepted

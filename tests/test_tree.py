@@ -1,0 +1,160 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inference.tree import (
+    DynamicTreeSpec,
+    Tree,
+    TreeError,
+    attention_mask,
+    best_static_paths,
+    chain_paths,
+    check_parents,
+    default_accuracy,
+    merge_trees,
+    position_ids,
+    retrieve_indices,
+    select_best_nodes,
+    static_tree,
+)
+
+
+def slow_ancestors(parents):
+    """Reference: walk each node up by hand."""
+    out = []
+    for i in range(len(parents)):
+        chain, node = [], i
+        while node >= 0:
+            chain.append(node)
+            node = parents[node]
+        out.append(set(chain))
+    return out
+
+
+@st.composite
+def random_trees(draw, max_nodes=40):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, 5)) for _ in range(n)]
+    return torch.tensor(tokens), torch.tensor(parents)
+
+
+def test_static_tree_from_paths():
+    shape = static_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    s = shape.structure
+    assert s.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert s.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert shape.rank.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    candidates = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    tree = shape.fill(torch.tensor(99), candidates)
+    assert tree.tokens.tolist() == [99, 10, 11, 20, 21, 20, 30]
+
+
+def test_static_tree_rejects_missing_prefix():
+    with pytest.raises(TreeError, match="no parent path"):
+        static_tree([(0,), (1, 0)])
+    with pytest.raises(TreeError, match="at least one path"):
+        static_tree([])
+
+
+def test_check_parents_rejects_bad_trees():
+    with pytest.raises(TreeError, match="root"):
+        check_parents(torch.tensor([0, 0]))
+    with pytest.raises(TreeError, match="precede"):
+        check_parents(torch.tensor([-1, 2, 0]))
+
+
+def test_mask_and_positions_for_a_small_tree():
+    # root -> a -> c ; root -> b
+    tree = Tree.from_parents(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]))
+    mask = attention_mask(tree, past_length=3, dtype=torch.float32)
+    assert mask.shape == (1, 1, 4, 7)
+    allowed = mask[0, 0] == 0
+    assert allowed[:, :3].all()  # everyone sees the past
+    assert allowed[:, 3:].tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, False, True, False],
+        [True, True, False, True],
+    ]
+    assert (mask[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
+    assert position_ids(tree, 3).tolist() == [[3, 4, 4, 5]]
+    assert retrieve_indices(tree).tolist() == [[0, 2, -1], [0, 1, 3]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_trees())
+def test_ancestors_depth_and_paths_match_a_reference(tree_data):
+    tokens, parents = tree_data
+    tree = Tree.from_parents(tokens, parents)
+    reference = slow_ancestors(parents.tolist())
+    for i, expected in enumerate(reference):
+        assert set(tree.ancestors[i].nonzero().flatten().tolist()) == expected
+        assert tree.depth[i] == len(expected) - 1
+    assert tree.max_depth == int(tree.depth.max())
+    paths = retrieve_indices(tree)
+    leaves = set(range(len(parents))) - set(parents.tolist()[1:])
+    assert sorted(p[p >= 0][-1].item() for p in paths) == sorted(leaves)
+    for path in paths:
+        nodes = path[path >= 0].tolist()
+        assert nodes[0] == 0
+        assert all(parents[b] == a for a, b in zip(nodes, nodes[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_trees(), st.integers(0, 6))
+def test_truncate_keeps_an_ancestor_closed_tree(tree_data, max_depth):
+    tokens, parents = tree_data
+    tree = Tree.from_parents(tokens, parents)
+    cut = tree.truncate(max_depth)
+    check_parents(cut.parents)
+    rebuilt = Tree.from_parents(cut.tokens, cut.parents)
+    assert torch.equal(rebuilt.ancestors, cut.ancestors)
+    assert torch.equal(rebuilt.depth, cut.depth)
+    assert cut.size == int((tree.depth <= max_depth).sum())
+
+
+def root_to_node_paths(tree):
+    toks = tree.tokens.tolist()
+    return {tuple(toks[j] for j in tree.ancestors[i].nonzero().flatten().tolist()) for i in range(tree.size)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_trees(20), random_trees(12))
+def test_merge_holds_every_path_of_both_once(a, b):
+    ta = Tree.from_parents(a[0], a[1])
+    tb = Tree.from_parents(torch.cat([a[0][:1], b[0][1:]]), b[1])
+    merged = merge_trees(ta, tb)
+    check_parents(merged.parents)
+    assert torch.equal(Tree.from_parents(merged.tokens, merged.parents).ancestors, merged.ancestors)
+    assert root_to_node_paths(merged) == root_to_node_paths(ta) | root_to_node_paths(tb)
+    # only nodes of the second tree that duplicate nothing are added
+    assert merged.size <= ta.size + tb.size - 1
+
+
+def test_merge_refuses_different_roots():
+    with pytest.raises(TreeError):
+        merge_trees(Tree.chain(torch.tensor([1, 2])), Tree.chain(torch.tensor([3, 2])))
+
+
+def test_best_static_paths_is_prefix_closed_and_greedy():
+    paths = best_static_paths(20, default_accuracy(depth=4, ranks=3))
+    assert len(paths) == 20 and len(set(paths)) == 20
+    assert all(p[:-1] in paths or len(p) == 1 for p in paths)
+    assert paths[:2] == [(0,), (0, 0)]
+    assert chain_paths(3) == [(0,), (0, 0), (0, 0, 0)]
+
+
+def test_select_best_nodes_is_ancestor_closed_even_with_ties():
+    # root, two children; the first child's child has probability 1 (a tie with its parent)
+    scores = torch.tensor([0.0, -1.0, -2.0, -1.0])
+    depth = torch.tensor([0, 1, 1, 2])
+    assert select_best_nodes(scores, depth, 1).tolist() == [0, 1]
+    assert select_best_nodes(scores, depth, 2).tolist() == [0, 1, 3]
+    assert select_best_nodes(scores, depth, 10).tolist() == [0, 1, 2, 3]
+
+
+def test_dynamic_tree_spec_validates():
+    with pytest.raises(TreeError):
+        DynamicTreeSpec(depth=0)
