@@ -64,6 +64,13 @@ def target_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None):
+    """(accepted node path, new tokens): the path's draft tokens, then the target's own token after it."""
+    chosen = target_tokens(logits, sampling, generator)
+    path = accepted_path(tree, chosen)
+    return path, torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
+
+
 def accepted_path(tree: Tree, chosen: torch.Tensor) -> torch.Tensor:
     """Node indices from the root to the deepest node whose whole path the target agrees with.
 

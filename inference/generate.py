@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .accept import Sampling, accepted_path, target_tokens
+from .accept import Sampling, accept, target_tokens
 from .cache import keep_path, new_cache
 from .drafters import as_drafter
 from .tree import attention_mask, position_ids
@@ -123,10 +123,8 @@ def generate(
         stats.draft_seconds += clock() - started
         past = length - 1  # the root is the last committed token; the target has not seen it yet
         out = forward(tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, model.dtype))
-        chosen = target_tokens(out.logits[0], sampling, generator)
-        path = accepted_path(tree, chosen)
+        path, new_tokens = accept(tree, out.logits[0], sampling, generator)
         keep_path(cache, past, path, tree.size)
-        new_tokens = torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
         done = commit(new_tokens)
         if not done:
             observe(out.hidden_states, path, new_tokens)
