@@ -21,7 +21,7 @@ class GenerationStats:
     seconds: float = 0.0
     target_seconds: float = 0.0  # inside the target's forward passes (host time: exact on CPU)
     draft_seconds: float = 0.0  # inside drafter.propose / drafter.observe
-    tree_nodes: int = 0  # nodes verified, over all steps, roots included
+    tree_nodes: int = 0  # tokens verified over all decode steps (roots included, the prefill not)
 
     @property
     def mean_accepted(self) -> float:
@@ -72,6 +72,7 @@ def generate(
     first receives the prompt, then the tokens as they are accepted.
     """
     sampling = Sampling(temperature, top_k, top_p)
+    _check_attention(model)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(heads, model, tree)
     drafter.reset()
@@ -86,7 +87,6 @@ def generate(
         out = model(input_ids=input_ids[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs)
         stats.target_seconds += clock() - started
         stats.target_forwards += 1
-        stats.tree_nodes += input_ids.shape[0]
         return out
 
     def commit(new_tokens) -> bool:
@@ -121,6 +121,7 @@ def generate(
         started = clock()
         tree = drafter.propose(tokens[:length], max_depth=max_new_tokens - (length - prompt.shape[0]) - 1)
         stats.draft_seconds += clock() - started
+        stats.tree_nodes += tree.size
         past = length - 1  # the root is the last committed token; the target has not seen it yet
         out = forward(tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, model.dtype))
         path, new_tokens = accept(tree, out.logits[0], sampling, generator)
@@ -141,6 +142,18 @@ def generate(
 def _last_logit_only(model) -> dict:
     """The prefill needs only the last position's logits (generate() does the same when it can)."""
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+TREE_ATTENTION = ("sdpa", "eager")  # the kernels that honour an arbitrary additive 4D mask
+
+
+def _check_attention(model) -> None:
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in TREE_ATTENTION:
+        raise ValueError(
+            f"tree verification needs a custom 4D attention mask, which attn_implementation={implementation!r} "
+            f"does not take; load the model with attn_implementation='sdpa' (or 'eager')"
+        )
 
 
 def _eos_ids(model) -> list[int]:

@@ -1,0 +1,54 @@
+"""The EAGLE drafter's incremental state (its own KV cache, tree attention inside the head) equals a
+from-scratch recomputation of the head: what it drafts is what the head would draft."""
+
+import torch
+
+from conftest import tiny_model
+from heads import EagleConfig, EagleHead
+from inference import DynamicTreeSpec, EagleDrafter, generate
+
+
+def recompute(head, model, tokens, draft_tokens):
+    """Head outputs along committed tokens then a draft path, without any cache: the reference."""
+    layers = head.config.feature_layers
+    with torch.no_grad():
+        hidden = model(tokens[None], output_hidden_states=True).hidden_states
+        features = head.fuse_features([hidden[layer][0, :-1] for layer in layers])  # targets' features of x_0..x_{n-2}
+        inputs = tokens[1:]
+        out = None
+        for step in range(len(draft_tokens) + 1):
+            if step:
+                features = torch.cat([features, out[-1:]])  # the head feeds its own prediction back
+                inputs = torch.cat([inputs, draft_tokens[step - 1 : step]])
+            embeds = model.get_input_embeddings()(inputs)
+            out = head(features[None], embeds[None], position_ids=torch.arange(len(inputs))[None])[0]
+    return out[-1]
+
+
+class CheckedEagleDrafter(EagleDrafter):
+    checked_nodes = 0
+
+    def propose(self, tokens, max_depth):
+        torch.testing.assert_close(self.last, recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
+        tree = super().propose(tokens, max_depth)
+        lm_head = self.model.get_output_embeddings()
+        for node in range(1, tree.size):
+            path = tree.ancestors[node].nonzero().flatten()[1:]  # root excluded, the node included
+            parent_output = recompute(self.head, self.model, tokens, tree.tokens[path[:-1]])
+            top = lm_head(parent_output).topk(self.spec.top_k).indices
+            assert tree.tokens[node] in top, f"node {node} is not among its parent's top-{self.spec.top_k}"
+            self.checked_nodes += 1
+        return tree
+
+
+def test_eagle_drafter_state_and_trees_match_a_recomputation():
+    model = tiny_model("llama", eos=None)
+    for feature_layers in ([-1], [1, 2, -1]):
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers)).eval()
+        drafter = CheckedEagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=9))
+        drafter.model = model
+        prompt = torch.randint(4, 97, (15,), generator=torch.Generator().manual_seed(1))
+        generate(model, drafter, prompt, max_new_tokens=12)
+        assert drafter.checked_nodes > 30
+        assert drafter.cache.get_seq_length() == drafter.length  # draft entries never outlive a step
