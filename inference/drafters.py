@@ -22,11 +22,13 @@ from .tree import (
     StaticTree,
     Tree,
     TreeError,
+    additive_mask,
     best_static_paths,
     default_accuracy,
     merge_trees,
     select_best_nodes,
     static_tree,
+    subtree,
 )
 
 
@@ -45,8 +47,8 @@ def root_only(tokens: torch.Tensor) -> Tree:
     return Tree.chain(tokens[-1:])
 
 
-class NoDrafter:
-    """Plain decoding through the same loop: every tree is just the root."""
+class TokenDrafter:
+    """Base for drafters that read only the committed tokens: no state to reset, nothing to observe."""
 
     hidden_layers: tuple[int, ...] = ()
 
@@ -55,6 +57,10 @@ class NoDrafter:
 
     def observe(self, hidden, next_tokens) -> None:
         pass
+
+
+class NoDrafter(TokenDrafter):
+    """Plain decoding through the same loop: every tree is just the root."""
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         return root_only(tokens)
@@ -168,8 +174,9 @@ class EagleDrafter:
         for level in range(1, depth_limit):
             fed.append(frontier)
             fed_nodes = torch.cat(fed)
+            # a frontier node sees every committed pair and, among the fed draft nodes, its own ancestors
             allowed = torch.cat([torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=device), ancestors[frontier][:, fed_nodes]], dim=1)
-            mask = torch.zeros(allowed.shape, dtype=frontier_features.dtype, device=device).masked_fill_(~allowed, torch.finfo(frontier_features.dtype).min)
+            mask = additive_mask(allowed, frontier_features.dtype)
             positions = torch.full((1, frontier.shape[0]), self.length + level, device=device)
             out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
@@ -179,29 +186,16 @@ class EagleDrafter:
         self.cache.crop(-sum(f.shape[0] for f in fed))
 
         keep = select_best_nodes(scores[:count], depth[:count], self.spec.nodes)
-        new_index = torch.full((count,), -1, dtype=torch.long, device=device)
-        new_index[keep] = torch.arange(keep.shape[0], device=device)
-        kept_parents = parents[keep]
-        kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
-        kept_depth = depth[keep]
-        return Tree(node_tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
+        return subtree(node_tokens, parents, depth, ancestors, keep)
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(TokenDrafter):
     """Copy what followed the latest earlier occurrence of the last n tokens (longest n first)."""
-
-    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10):
         if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, {max_ngram}, {num_tokens}")
         self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
-
-    def reset(self) -> None:
-        pass
-
-    def observe(self, hidden, next_tokens) -> None:
-        pass
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         length = tokens.shape[0]
@@ -239,23 +233,15 @@ class MergedDrafter:
         return tree
 
 
-class OracleDrafter:
+class OracleDrafter(TokenDrafter):
     """Knows the answer: proposes the true continuation on rank 0 of a static tree, wrong tokens elsewhere.
 
     For measuring the engine's own overhead (every step accepts the deepest path, so cache compaction runs
     at every depth) and for tests. `continuation` is the whole expected sequence, prompt included.
     """
 
-    hidden_layers: tuple[int, ...] = ()
-
     def __init__(self, continuation: torch.Tensor, tree, vocab_size: int):
         self.continuation, self.tree, self.vocab_size = continuation, _as_static_tree(tree), vocab_size
-
-    def reset(self) -> None:
-        pass
-
-    def observe(self, hidden, next_tokens) -> None:
-        pass
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         position = tokens.shape[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,8 @@ def generate(
 ) -> Generation:
     """Generate exactly what `model` alone generates (greedy: token for token; sampling: in distribution).
 
-    heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`, a Drafter, or a list
+    prompt_or_input_ids: text (needs `tokenizer`), token ids (list, 1-D or [1, n] tensor), or a tokenizer's
+    output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`, a Drafter, or a list
     of them whose trees are merged. tree: a static tree (list of paths) for Medusa, a DynamicTreeSpec for
     EAGLE; None takes the drafter's default. streamer: a Hugging Face streamer; like `model.generate`, it
     first receives the prompt, then the tokens as they are accepted.
@@ -165,6 +167,10 @@ def _eos_ids(model) -> list[int]:
 
 def _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens: int) -> torch.Tensor:
     """A 1-D LongTensor on the model's device, with the checks generate() must make first."""
+    if isinstance(prompt_or_input_ids, Mapping):  # a tokenizer's output, e.g. apply_chat_template's
+        if "input_ids" not in prompt_or_input_ids:
+            raise ValueError(f"the prompt mapping has no 'input_ids' (keys: {sorted(prompt_or_input_ids)})")
+        prompt_or_input_ids = prompt_or_input_ids["input_ids"]
     if isinstance(prompt_or_input_ids, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs tokenizer=...; or pass token ids instead")

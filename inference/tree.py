@@ -90,23 +90,31 @@ class Tree:
         """Keep the nodes at depth <= max_depth (an ancestor-closed subset, so still a tree)."""
         if max_depth >= self.max_depth:
             return self
-        keep = (self.depth <= max_depth).nonzero().squeeze(-1)
-        new_index = torch.full_like(self.parents, -1)
-        new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
-        parents = self.parents[keep]
-        parents = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
-        return Tree(self.tokens[keep], parents, self.depth[keep], self.ancestors[keep][:, keep], max_depth)
+        return subtree(self.tokens, self.parents, self.depth, self.ancestors, (self.depth <= max_depth).nonzero().squeeze(-1))
 
 
-def attention_mask(tree: Tree, past_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, past + N]: every node sees the whole past, itself and its ancestors.
+def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:
+    """The tree on nodes `keep` (ascending, ancestor-closed), with parents renumbered."""
+    new_index = torch.full_like(parents, -1)
+    new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
+    kept_parents = parents[keep]
+    kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
+    kept_depth = depth[keep]
+    return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, the dtype's minimum elsewhere.
 
     Additive float rather than bool: a bool 4D mask is silently wrong under the eager attention kernel.
     """
-    n = tree.size
-    mask = torch.zeros(1, 1, n, past_length + n, dtype=dtype, device=tree.tokens.device)
-    mask[0, 0, :, past_length:].masked_fill_(~tree.ancestors, torch.finfo(dtype).min)
-    return mask
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def attention_mask(tree: Tree, past_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N, past + N]: every node sees the whole past, itself and its ancestors."""
+    past = torch.ones(tree.size, past_length, dtype=torch.bool, device=tree.ancestors.device)
+    return additive_mask(torch.cat([past, tree.ancestors], dim=1), dtype)[None, None]
 
 
 def position_ids(tree: Tree, past_length: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ output still equals HF's.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -28,6 +29,16 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 
 from inference import NoDrafter, OracleDrafter, best_static_paths, chain_paths, generate, load_target  # noqa: E402
 from inference.tree import default_accuracy  # noqa: E402
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def methods(chains, trees):
@@ -126,7 +137,7 @@ def main(argv=None):
         "## Engine overhead: HF generate() vs our loop with an oracle drafter",
         "",
         f"Command: `python scripts/engine_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
-        f"Machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"Machine: {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"{len(questions)} prompts (first turns of {Path(args.questions).name}), {args.max_new_tokens} new tokens each.",
         "",
         "tau = new tokens per target forward (prefill included). engine ms/step = wall time outside the target's forward "

@@ -18,7 +18,7 @@ EOS = 3
 
 def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa", seed: int = 0, init: float = 0.15, eos: int | None = EOS):
     """A 2-layer model whose logits are spread enough that float32 argmaxes are never near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,6 +30,9 @@ def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
+    elif family == "gpt2":  # learned absolute positions, fused qkv: a different family altogether
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                           initializer_range=init, bos_token_id=eos, eos_token_id=eos, attn_implementation=attn))
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = eos

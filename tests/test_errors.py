@@ -66,3 +66,19 @@ def test_sliding_window_models_are_refused_not_silently_wrong():
                            num_key_value_heads=2, sliding_window=16)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         generate(MistralForCausalLM(config).eval(), None, PROMPT)
+
+
+def test_attention_kernels_that_ignore_a_4d_mask_are_refused(model):
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            generate(model, None, PROMPT)
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_a_tokenizer_output_is_accepted_as_prompt(model):
+    assert generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids == \
+        generate(model, None, PROMPT, max_new_tokens=3).token_ids
+    with pytest.raises(ValueError, match="no 'input_ids'"):
+        generate(model, None, {"ids": [1, 2]})

@@ -76,6 +76,17 @@ def test_every_drafter_matches_hf_greedy(case):
     assert deep_accepts >= PROMPTS // 2, "the oracle should get whole tree paths accepted"
 
 
+def test_gpt2_family_matches_hf_greedy():
+    model = tiny_model("gpt2")
+    vocab = model.config.vocab_size
+    for prompt in random_prompts(vocab, 20, seed=7):
+        reference = hf_greedy(model, prompt, NEW_TOKENS)
+        full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
+        oracle = OracleDrafter(full, best_static_paths(15, default_accuracy(depth=5, ranks=3)), vocab)
+        for heads in (oracle, [oracle, PromptLookupDrafter()]):
+            assert generate(model, heads, prompt, max_new_tokens=NEW_TOKENS).token_ids == reference
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
 def test_max_new_tokens_is_exact_even_when_the_tree_reaches_further(max_new_tokens):
     model = tiny_model("llama", eos=None)
