@@ -177,7 +177,7 @@ class EagleDrafter:
             # a frontier node sees every committed pair and, among the fed draft nodes, its own ancestors
             allowed = torch.cat([torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=device), ancestors[frontier][:, fed_nodes]], dim=1)
             mask = additive_mask(allowed, frontier_features.dtype)
-            positions = torch.full((1, frontier.shape[0]), self.length + level, device=device)
+            positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=device)  # depth d: length + d - 1
             out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]

@@ -26,17 +26,29 @@ def recompute(head, model, tokens, draft_tokens):
 
 
 class CheckedEagleDrafter(EagleDrafter):
+    """Checks, at every step, the head's state and every head output that a drafted node came from."""
+
     checked_nodes = 0
+
+    def _log_probs(self, features):
+        self.seen.append(features.reshape(-1, features.shape[-1]).clone())
+        return super()._log_probs(features)
 
     def propose(self, tokens, max_depth):
         torch.testing.assert_close(self.last, recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
+        self.seen = []
         tree = super().propose(tokens, max_depth)
+        if tree.size == 1:  # nothing drafted at the last step
+            return tree
+        seen = torch.cat(self.seen)
         lm_head = self.model.get_output_embeddings()
         for node in range(1, tree.size):
-            path = tree.ancestors[node].nonzero().flatten()[1:]  # root excluded, the node included
-            parent_output = recompute(self.head, self.model, tokens, tree.tokens[path[:-1]])
-            top = lm_head(parent_output).topk(self.spec.top_k).indices
-            assert tree.tokens[node] in top, f"node {node} is not among its parent's top-{self.spec.top_k}"
+            parent_path = tree.ancestors[tree.parents[node]].nonzero().flatten()[1:]  # root excluded
+            expected = recompute(self.head, self.model, tokens, tree.tokens[parent_path])
+            # the head output the node was drawn from was computed exactly (same positions, same mask) ...
+            assert torch.isclose(seen, expected, atol=1e-5, rtol=1e-4).all(-1).any(), f"node {node}: no matching head output"
+            # ... and the node is one of its top-k
+            assert tree.tokens[node] in lm_head(expected).topk(self.spec.top_k).indices
             self.checked_nodes += 1
         return tree
 
