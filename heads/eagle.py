@@ -41,10 +41,6 @@ class EagleHead(nn.Module):
             )
         )
 
-    def fuse_features(self, features: list[torch.Tensor]) -> torch.Tensor:
-        """The target's hidden states at `config.feature_layers` -> one feature per token."""
-        return self.fuse(torch.cat(features, dim=-1))
-
     def forward(
         self,
         feature: torch.Tensor,
@@ -54,7 +50,13 @@ class EagleHead(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
     ) -> torch.Tensor:
-        """(feature of token t, embedding of token t+1) -> predicted feature of token t+1, all [B, T, H]."""
+        """(feature of token t, embedding of token t+1) -> predicted feature of token t+1, [B, T, H].
+
+        `feature` is the head's own output fed back [B, T, H], or the target's hidden states at
+        `config.feature_layers` concatenated [B, T, n * H], which are fused first (EAGLE-3).
+        """
+        if feature.shape[-1] != self.config.hidden_size:
+            feature = self.fuse(feature)
         x = self.fc(torch.cat([token_embedding, feature], dim=-1))
         out = self.decoder(
             inputs_embeds=x,

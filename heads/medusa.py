@@ -30,10 +30,8 @@ class MedusaHeads(nn.Module):
             for _ in range(config.num_heads)
         )
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., K, H]: one feature per head."""
-        return torch.stack([head(hidden) for head in self.heads], dim=-2)
-
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """[..., H] -> logits [..., K, V]; all heads go through the target's lm_head in ONE projection."""
-        return lm_head(self.features(hidden))
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """[..., H] -> logits [..., K, V], all heads through the target's lm_head in ONE projection;
+        without lm_head, the heads' features [..., K, H] (training projects only where labels are)."""
+        features = torch.stack([head(hidden) for head in self.heads], dim=-2)
+        return features if lm_head is None else lm_head(features)

@@ -135,7 +135,7 @@ class EagleDrafter:
         self.cache, self.length, self.last = DynamicCache(), 0, None
 
     def observe(self, hidden, next_tokens) -> None:
-        feature = self.head.fuse_features([hidden[layer] for layer in self.hidden_layers])
+        feature = torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)  # fused inside the head
         k = next_tokens.shape[0]
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
         out = self.head(feature[None], self.embed(next_tokens)[None], position_ids=positions[None], past_key_values=self.cache)

@@ -1,0 +1,141 @@
+"""The training recipe: typed dataclasses read from YAML, overridden from the command line.
+
+Unknown keys are errors everywhere (a typo must not silently train with a default), and the whole resolved
+recipe is saved into the head checkpoint's config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from heads.config import HeadConfigError, dataclass_from_dict
+
+DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "prompts.jsonl")
+
+
+class ConfigError(HeadConfigError):
+    """A training recipe that cannot be used as written."""
+
+
+def check_numbers(config) -> None:
+    """Numbers must be numbers; YAML reads '3e-4' (no dot) as a string, so such strings are converted."""
+    for f in dataclasses.fields(config):
+        kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type))
+        value = getattr(config, f.name)
+        if kind is None or value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = kind(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
+            raise ConfigError(f"{f.name} must be a number ({kind.__name__}), got {getattr(config, f.name)!r}")
+        setattr(config, f.name, kind(value))
+
+
+@dataclass
+class DataConfig:
+    path: str = DEFAULT_PROMPTS  # a local .jsonl / .json / .parquet file, or a hub dataset name
+    split: str = "train"
+    prompt_field: str = "prompt"  # a user message ...
+    messages_field: str | None = None  # ... or a whole conversation [{"role", "content"}, ...]
+    response_field: str | None = "response"  # the dataset's own answer, used as fixed text when present
+    max_prompts: int | None = None  # use the first N prompts (after the held-out ones)
+    eval_prompts: int = 64  # held out from the start of the file for evaluation
+    self_distill: int = 0  # how many prompts get responses written by the frozen target itself
+    distill_max_new_tokens: int = 256
+    distill_batch_size: int = 16
+    distill_temperature: float = 0.0
+    max_length: int = 512  # tokens per training sequence, prompt included
+    cache_dir: str = "outputs/cache"  # tokenized data and self-distilled responses, reused by reruns
+
+    def __post_init__(self):
+        check_numbers(self)
+
+
+@dataclass
+class TrainConfig:
+    head: dict[str, Any] = field(default_factory=lambda: {"kind": "eagle"})  # kind + options of heads.*Config
+    model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
+    target_dtype: str = "float32"  # the frozen target's dtype while computing features
+    data: DataConfig = field(default_factory=DataConfig)
+    output_dir: str = "outputs/heads"  # the trained heads (config.json + model.safetensors)
+    state_dir: str | None = None  # resumable training checkpoints; default <output_dir>.train-state
+    seed: int = 0
+    max_steps: int = 1000  # optimizer steps
+    max_minutes: float | None = None  # stop (and save) after this much training time
+    batch_size: int = 8  # sequences per device per micro-step
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it)
+    eval_every: int = 200
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    report_to: str = "none"  # none | wandb | tensorboard | all
+    # objectives
+    medusa_decay: float = 0.8  # weight of head k is decay ** k
+    eagle_regression_weight: float = 1.0  # SmoothL1 on the predicted feature
+    eagle_ce_weight: float = 0.1  # soft cross-entropy against the target's own distribution
+    eagle_noise: float = 0.2  # uniform feature noise, +-noise/2 (EAGLE's augmentation)
+    eagle_unroll: int = 1  # EAGLE-3 training-time test: also train on the head's own fed-back features
+    loss_tokens: int = 1024  # positions per micro-batch that go through the vocabulary projection
+
+    def __post_init__(self):
+        check_numbers(self)
+        if isinstance(self.data, dict):
+            self.data = dataclass_from_dict(DataConfig, self.data, "data")
+        if not isinstance(self.head, dict) or self.head.get("kind") not in ("medusa", "eagle"):
+            raise ConfigError(f"head must be a mapping with kind 'medusa' or 'eagle', got {self.head!r}")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
+        if self.report_to not in ("none", "wandb", "tensorboard", "all"):
+            raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "eagle_unroll"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """A recipe from YAML (or the defaults), with `--key value` / `--data.key value` overrides applied."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    for key, value in parse_overrides(overrides):
+        target = values
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"--{key}: {parent} is not a section")
+        target[leaf] = value
+    return dataclass_from_dict(TrainConfig, values, str(path or "config"))
+
+
+def parse_overrides(arguments: list[str]) -> list[tuple[str, Any]]:
+    """['--lr', '1e-3', '--data.path', 'x.jsonl'] -> [('lr', 0.001), ('data.path', 'x.jsonl')]."""
+    pairs, items = [], list(arguments)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("--") or not items or items[0].startswith("--"):
+            raise ConfigError(f"overrides take the form --key value; could not read {flag!r}")
+        pairs.append((flag[2:].replace("-", "_"), yaml.safe_load(items.pop(0))))
+    return pairs

@@ -1,0 +1,147 @@
+"""Prompts -> chat template -> training sequences, from a dataset's own responses and/or self-distillation.
+
+Two sources of response text:
+- the dataset's `response` field, on which the frozen target later supplies its own soft labels (cheap);
+- self-distillation: the frozen target writes the responses itself (batched generate), which matches
+  its distribution best. Generated shards are written to the cache as they finish, so an interrupted
+  run resumes where it stopped and a rerun reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_dataset, load_from_disk
+from tqdm.auto import tqdm
+
+from .config import ConfigError, DataConfig
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_records(data: DataConfig) -> Dataset:
+    """The raw prompt records, from a local file or (for users with network) a hub dataset."""
+    path = Path(data.path)
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise ConfigError(f"data file {path} not found; set data.path to a .jsonl, .json or .parquet file or a hub dataset name")
+        records = load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    elif path.exists():
+        raise ConfigError(f"data.path {path} is not a .jsonl, .json or .parquet file")
+    else:
+        records = load_dataset(data.path, split=data.split)
+    field = data.messages_field or data.prompt_field
+    if field not in records.column_names:
+        raise ConfigError(f"{data.path} has no {field!r} field (columns: {records.column_names}); set data.prompt_field or data.messages_field")
+    return records
+
+
+def conversation(record: dict, data: DataConfig) -> tuple[list[dict], str | None]:
+    """(messages up to the assistant's turn, the dataset's response or None)."""
+    if data.messages_field:
+        messages = list(record[data.messages_field])
+        if messages and messages[-1]["role"] == "assistant":
+            return messages[:-1], messages[-1]["content"]
+        return messages, None
+    response = record.get(data.response_field) if data.response_field else None
+    return [{"role": "user", "content": record[data.prompt_field]}], response or None
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def example(prompt: list[int], response: list[int], max_length: int) -> dict:
+    """One training sequence; the loss covers response tokens only."""
+    ids = (prompt + response)[:max_length]
+    mask = ([0] * len(prompt) + [1] * len(response))[:max_length]
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def response_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def cache_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: int, is_main: bool = True) -> tuple[Dataset, Dataset]:
+    """(train, eval) tokenized datasets, cached on disk under data.cache_dir."""
+    source = Path(data.path)
+    stamp = (source.stat().st_size, source.stat().st_mtime_ns) if source.is_file() else None
+    key = cache_key(fingerprint, data.__dict__, stamp, seed, getattr(tokenizer, "name_or_path", ""))
+    root = Path(data.cache_dir) / f"data-{key}"
+    if (root / "train").is_dir() and (root / "eval").is_dir():
+        return load_from_disk(str(root / "train")), load_from_disk(str(root / "eval"))
+
+    records = load_records(data)
+    pairs = [conversation(r, data) for r in records]
+    held_out, rest = pairs[: data.eval_prompts], pairs[data.eval_prompts :]
+    if data.max_prompts is not None:
+        rest = rest[: data.max_prompts]
+    order = list(range(len(rest)))
+    random.Random(seed).shuffle(order)
+
+    train = []
+    for messages, response in rest:
+        if response:
+            train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
+    if data.self_distill:
+        chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
+        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, data.__dict__, stamp, seed)}", is_main)
+        train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
+    evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
+    if not train:
+        raise ConfigError(f"no training sequences: {data.path} has no {data.response_field!r} responses and data.self_distill is 0")
+    random.Random(seed).shuffle(train)
+    train_set, eval_set = Dataset.from_list(train), Dataset.from_list(evaluation or train[:8])
+    if is_main:
+        staging = root.with_name(root.name + f".tmp{os.getpid()}")
+        train_set.save_to_disk(str(staging / "train"))
+        eval_set.save_to_disk(str(staging / "eval"))
+        os.replace(staging, root)
+    return train_set, eval_set
+
+
+@torch.no_grad()
+def self_distill(target, tokenizer, prompts: list[list[int]], data: DataConfig, directory: Path, is_main: bool = True) -> list[list[int]]:
+    """The target's own responses to `prompts`, generated in shards that survive an interruption."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shard_size = data.distill_batch_size * 4
+    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
+    responses: list[list[int]] = []
+    for number, shard in enumerate(tqdm(shards, desc="self-distilling", disable=not is_main)):
+        path = directory / f"shard-{number:05d}.json"
+        if not path.is_file():
+            written = []
+            for start in range(0, len(shard), data.distill_batch_size):
+                written += generate_batch(target, tokenizer, shard[start : start + data.distill_batch_size], data)
+            staging = path.with_suffix(f".tmp{os.getpid()}")
+            staging.write_text(json.dumps(written))
+            os.replace(staging, path)  # a shard is either complete or absent
+        responses += json.loads(path.read_text())
+    return responses
+
+
+def generate_batch(target, tokenizer, prompts: list[list[int]], data: DataConfig) -> list[list[int]]:
+    """Left-padded batched generation; each response ends at (and includes) EOS when one came."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    sampling = {"do_sample": True, "temperature": data.distill_temperature} if data.distill_temperature > 0 else {"do_sample": False}
+    out = target.generate(
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=data.distill_max_new_tokens, pad_token_id=pad,
+        cache_implementation="static", **sampling,  # the dynamic cache was erratic for batched bf16 generation
+    )
+    eos = tokenizer.eos_token_id
+    responses = []
+    for row in out[:, width:].tolist():
+        responses.append(row[: row.index(eos) + 1] if eos in row else row)
+    return responses

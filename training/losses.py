@@ -1,0 +1,104 @@
+"""Objectives per head kind, on features of the frozen target. Each returns (loss, metrics).
+
+The vocabulary projection dominates the cost of a step on a small target (49152 x 576 per token, forward
+and backward), so the cross-entropy terms use at most `max_tokens` randomly chosen loss positions per
+batch; the cheap feature regression covers every position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """The frozen target's hidden states at `layers` (plus -1, the normalised last one), as float32."""
+    # the base model (no vocabulary projection over every position): its last hidden state is normalised
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    return {layer: out.hidden_states[layer].float() for layer in set(layers) | {-1}}
+
+
+def sample_positions(mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """(batch, position) indices of at most `max_tokens` positions where `mask` is set."""
+    where = mask.nonzero()
+    if where.shape[0] > max_tokens:
+        where = where[torch.randperm(where.shape[0], device=where.device)[:max_tokens]]
+    return where
+
+
+def medusa_loss(heads, lm_head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int):
+    """Head k at position t predicts the token at t + k + 2 (the one after next, then further)."""
+    where = sample_positions(loss_mask[:, 2:].bool(), max_tokens)  # positions head 0 has a label for
+    features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
+    total, metrics = features.sum() * 0.0, {}
+    for k in range(features.shape[1]):
+        label_at = where[:, 1] + k + 2
+        keep = label_at < input_ids.shape[1]
+        keep[keep.clone()] = loss_mask[where[keep, 0], label_at[keep]].bool()
+        if not keep.any():
+            continue
+        logits = lm_head(features[keep, k]).float()
+        labels = input_ids[where[keep, 0], label_at[keep]]
+        total = total + decay**k * F.cross_entropy(logits, labels)
+        top = logits.topk(4, dim=-1).indices
+        metrics[f"top1/depth{k + 2}"] = (top[:, 0] == labels).float().mean().item()
+        metrics[f"top4/depth{k + 2}"] = (top == labels[:, None]).any(-1).float().mean().item()
+    return total, metrics
+
+
+def eagle_loss(head, layers: list[int], embed, lm_head, features: dict[int, torch.Tensor], input_ids, loss_mask, *, regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int):
+    """EAGLE: from (feature of token t, token t+1) predict the feature of t+1 and the target's distribution
+    after it. With unroll > 1, EAGLE-3's training-time test: step j feeds the head its own step-(j-1)
+    predictions, attending to real features before the draft and its own earlier draft steps, exactly as
+    drafting at depth j does."""
+    inputs = torch.cat([features[layer] for layer in layers], dim=-1)[:, :-1]  # fused inside the head
+    if head.training and noise > 0:
+        inputs = inputs + (torch.rand_like(inputs) - 0.5) * noise
+    tokens = embed(input_ids[:, 1:])
+    batch, length = tokens.shape[:2]
+    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    valid = loss_mask[:, 1:].bool()  # position t predicts what follows token t+1: a response token
+    targets = features[-1][:, 1:]  # the target's last hidden state at t+1 gives its next distribution
+    total, metrics = 0.0, {}
+    cache = DynamicCache() if unroll > 1 else None  # holds every step's keys for the later steps
+    for step in range(1, unroll + 1):
+        mask = None if step == 1 else unroll_mask(length, step, inputs.dtype, input_ids.device)
+        predicted = head(inputs, tokens, position_ids=positions, attention_mask=mask, past_key_values=cache)
+        # a step-j prediction at position t stands for a draft j deep: it exists only where t >= j - 1
+        step_valid = valid.clone()
+        step_valid[:, : step - 1] = False
+        if regression_weight and list(layers) == [-1]:
+            diff = F.smooth_l1_loss(predicted, targets, reduction="none").mean(-1)
+            total = total + regression_weight * (diff * step_valid).sum() / step_valid.sum().clamp(min=1)
+        where = sample_positions(step_valid, max_tokens)
+        if where.shape[0]:
+            with torch.no_grad():
+                target_logits = lm_head(targets[where[:, 0], where[:, 1]]).float()
+            logits = lm_head(predicted[where[:, 0], where[:, 1]]).float()
+            if ce_weight:
+                soft = torch.softmax(target_logits, dim=-1)
+                total = total + ce_weight * -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            wanted = target_logits.argmax(-1)
+            top = logits.topk(4, dim=-1).indices
+            metrics[f"top1/depth{step}"] = (top[:, 0] == wanted).float().mean().item()
+            metrics[f"top4/depth{step}"] = (top == wanted[:, None]).any(-1).float().mean().item()
+        # the next step sees this step's prediction for position t - 1 as its feature at t
+        inputs = torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1)
+    return total, metrics
+
+
+def unroll_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, T, step * T] for unroll step `step` over keys [step 1 | step 2 | ... | step].
+
+    Query t of step j is a draft j deep whose first draft pair sits at t - j + 1: it sees step-1 (real)
+    keys s <= t - j + 1 and, for each later step i <= j, the key at t - (j - i): its own draft path.
+    """
+    t = torch.arange(length, device=device)
+    blocks = [t[None, :] <= (t[:, None] - step + 1)]
+    for i in range(2, step + 1):
+        blocks.append(t[None, :] == (t[:, None] - (step - i)))
+    allowed = torch.cat(blocks, dim=1)
+    allowed[:, 0] |= ~allowed.any(-1)  # early rows with nothing to see attend to the first key (never in the loss)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]

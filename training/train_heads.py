@@ -1,0 +1,227 @@
+"""Fit draft heads on a frozen target.
+
+    accelerate launch training/train_heads.py --config configs/smollm2-eagle.yaml [--key value ...]
+    accelerate launch --config_file configs/accelerate/deepspeed-zero2.yaml training/train_heads.py --config ...
+
+One process, several processes (data parallel) or DeepSpeed ZeRO all go through accelerate; the loop below
+does not know which. Checkpoints (`<output_dir>.train-state/step-N`) are written atomically every
+`save_every` steps; `--resume` continues from the newest with the same data order and random state.
+The final heads are written to `output_dir` with `heads.save_heads` (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by accelerate: make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from heads import EagleConfig, MedusaConfig, TargetFingerprint, build_heads, save_heads
+from heads.config import dataclass_from_dict
+from inference import load_target
+from training.config import ConfigError, TrainConfig, load_config
+from training.data import build_datasets
+from training.losses import eagle_loss, medusa_loss, target_features
+
+
+def head_config(cfg: TrainConfig, target_config):
+    options = {k: v for k, v in cfg.head.items() if k != "kind"}
+    kind = MedusaConfig if cfg.head["kind"] == "medusa" else EagleConfig
+    fixed = dict(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size)
+    clash = sorted(set(options) & set(fixed))
+    if clash:
+        raise ConfigError(f"head.{clash[0]} comes from the target and cannot be set")
+    defaults = kind.for_target(target_config)
+    return dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
+
+
+def collate(pad_id: int):
+    def pad(batch):
+        width = max(len(x["input_ids"]) for x in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, x in enumerate(batch):
+            n = len(x["input_ids"])
+            ids[row, :n] = torch.tensor(x["input_ids"])
+            loss_mask[row, :n] = torch.tensor(x["loss_mask"])
+            attention[row, :n] = 1
+        return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+
+    return pad
+
+
+def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], target, batch):
+    """`heads` may be wrapped (DDP, DeepSpeed): it is only ever called, so gradients are synchronised."""
+    features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
+    lm_head = target.get_output_embeddings()
+    if cfg.head["kind"] == "medusa":
+        return medusa_loss(heads, lm_head, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens)
+    return eagle_loss(
+        heads, layers, target.get_input_embeddings(), lm_head, features, batch["input_ids"], batch["loss_mask"],
+        regression_weight=cfg.eagle_regression_weight, ce_weight=cfg.eagle_ce_weight, noise=cfg.eagle_noise,
+        unroll=cfg.eagle_unroll, max_tokens=cfg.loss_tokens,
+    )
+
+
+@torch.no_grad()
+def evaluate(cfg, heads, layers, target, loader, accelerator) -> dict:
+    heads.eval()
+    sums, count = {}, 0
+    for batch in loader:
+        loss, metrics = compute_loss(cfg, heads, layers, target, batch)
+        for key, value in {"loss": float(loss), **metrics}.items():
+            sums[key] = sums.get(key, 0.0) + value
+        count += 1
+    heads.train()
+    means = torch.tensor([sums[k] / max(count, 1) for k in sorted(sums)], device=accelerator.device)
+    means = accelerator.reduce(means, reduction="mean")
+    return {f"eval/{k}": v for k, v in zip(sorted(sums), means.tolist())}
+
+
+def save_checkpoint(accelerator, root: Path, state: dict, keep: int) -> None:
+    """accelerate's full state (heads, optimizer, scheduler, RNG) + our counters, renamed into place."""
+    final = root / f"step-{state['step']:07d}"
+    staging = root / f".step-{state['step']:07d}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    if accelerator.is_main_process:
+        (staging / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").is_file())
+    return done[-1] if done else None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a recipe in configs/*.yaml")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as error:
+        parser.error(str(error))
+
+    # several CPU processes talk over gloo; accelerate needs to be told or it counts one process per rank
+    distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=cfg.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else None,
+    )
+    set_seed(cfg.seed)
+    output = Path(cfg.output_dir)
+    checkpoints = Path(cfg.state_dir or f"{cfg.output_dir}.train-state")
+
+    target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
+    target.requires_grad_(False)
+    fingerprint = TargetFingerprint.of(target)
+    with accelerator.main_process_first():
+        train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
+    heads = build_heads(head_config(cfg, target.config))
+    layers = tuple(getattr(heads.config, "feature_layers", (-1,)))
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = get_scheduler(
+        {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule],
+        optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate(pad))
+    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad))
+    heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(heads, optimizer, loader, eval_loader, scheduler)
+    accelerator.init_trackers("specheads", config={k: str(v) for k, v in cfg.to_dict().items()})
+
+    state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0}
+    if args.resume:
+        last = latest_checkpoint(checkpoints)
+        if last is None:
+            accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting from scratch")
+        else:
+            accelerator.load_state(str(last))
+            state = json.loads((last / "trainer_state.json").read_text())
+            accelerator.print(f"resumed from {last} (step {state['step']})")
+
+    batches_per_epoch = len(loader)
+    micro = cfg.gradient_accumulation_steps
+    progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process)
+    started, metrics = time.perf_counter() - state["train_seconds"], {}
+    heads.train()
+    while state["step"] < cfg.max_steps:
+        loader.set_epoch(state["epoch"])
+        epoch_loader = accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
+        for batch in epoch_loader:
+            with accelerator.accumulate(heads):
+                loss, metrics = compute_loss(cfg, heads, layers, target, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            state["batches_in_epoch"] += 1
+            if not accelerator.sync_gradients:
+                continue
+            state["step"] += 1
+            state["train_seconds"] = time.perf_counter() - started
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")})
+            if state["step"] % cfg.log_every == 0:
+                accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}, step=state["step"])
+            out_of_time = cfg.max_minutes is not None and state["train_seconds"] > 60 * cfg.max_minutes
+            last_step = state["step"] >= cfg.max_steps or out_of_time
+            if state["step"] % cfg.eval_every == 0 or last_step:
+                results = evaluate(cfg, heads, layers, target, eval_loader, accelerator)
+                accelerator.log(results, step=state["step"])
+                if accelerator.is_main_process:
+                    progress.write(f"step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            if state["step"] % cfg.save_every == 0 or last_step:
+                save_checkpoint(accelerator, checkpoints, state, cfg.keep_checkpoints)
+            if last_step:
+                break
+        else:
+            state["epoch"] += 1
+            state["batches_in_epoch"] = 0
+            continue
+        break
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(heads)
+        training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
+                    "sequences": len(train_set), "tokens": int(sum(sum(m) for m in train_set["loss_mask"]))}
+        save_heads(model, output, target, training=training)
+        accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
+    accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
