@@ -40,6 +40,7 @@ class EagleHead(nn.Module):
                 attn_implementation="sdpa",
             )
         )
+        self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
 
     def forward(
         self,

@@ -95,6 +95,8 @@ class TrainConfig:
         check_numbers(self)
         if isinstance(self.data, dict):
             self.data = dataclass_from_dict(DataConfig, self.data, "data")
+        if isinstance(self.head, dict):
+            self.head = {"kind": "eagle", **self.head}  # the default kind, as the field's default says
         if not isinstance(self.head, dict) or self.head.get("kind") not in ("medusa", "eagle"):
             raise ConfigError(f"head must be a mapping with kind 'medusa' or 'eagle', got {self.head!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):

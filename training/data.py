@@ -94,7 +94,9 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
             train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
     if data.self_distill:
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
-        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, data.__dict__, stamp, seed)}", is_main)
+        # keyed without the count: raising data.self_distill reuses the shards already written
+        settings = {k: v for k, v in data.__dict__.items() if k not in ("self_distill", "eval_prompts", "cache_dir")}
+        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed, data.eval_prompts)}", is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
     evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
     if not train:

@@ -12,8 +12,8 @@ The final heads are written to `output_dir` with `heads.save_heads` (config.json
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from heads import EagleConfig, MedusaConfig, TargetFingerprint, build_heads, save_heads
-from heads.config import dataclass_from_dict
+from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets
@@ -46,7 +46,12 @@ def head_config(cfg: TrainConfig, target_config):
     if clash:
         raise ConfigError(f"head.{clash[0]} comes from the target and cannot be set")
     defaults = kind.for_target(target_config)
-    return dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
+    config = dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
+    states = target_config.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer
+    bad = [i for i in getattr(config, "feature_layers", []) if not -states <= i < states]
+    if bad:
+        raise ConfigError(f"head.feature_layers {bad} out of range: the target has {states} hidden states (indices {-states}..{states - 1})")
+    return config
 
 
 def collate(pad_id: int):
@@ -122,7 +127,7 @@ def main(argv=None):
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-    except ConfigError as error:
+    except HeadConfigError as error:
         parser.error(str(error))
 
     # several CPU processes talk over gloo; accelerate needs to be told or it counts one process per rank
@@ -142,9 +147,13 @@ def main(argv=None):
     target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
     target.requires_grad_(False)
     fingerprint = TargetFingerprint.of(target)
-    with accelerator.main_process_first():
-        train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
-    heads = build_heads(head_config(cfg, target.config))
+    try:  # mistakes in the recipe surface here: a clear message, not a traceback
+        config = head_config(cfg, target.config)
+        with accelerator.main_process_first():
+            train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
+    except HeadConfigError as error:
+        parser.error(str(error))
+    heads = build_heads(config)
     layers = tuple(getattr(heads.config, "feature_layers", (-1,)))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
@@ -152,12 +161,15 @@ def main(argv=None):
         optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate(pad))
-    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad))
+    # own generators: starting a loader's iterator must not draw from the global RNG, or a resumed run
+    # (which starts one mid-epoch) would shift the noise and position sampling of an uninterrupted one
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
+    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
     heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(heads, optimizer, loader, eval_loader, scheduler)
     accelerator.init_trackers("specheads", config={k: str(v) for k, v in cfg.to_dict().items()})
 
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0}
+    history = []  # evaluation results of this run, returned to callers (tests, notebooks)
     if args.resume:
         last = latest_checkpoint(checkpoints)
         if last is None:
@@ -198,6 +210,7 @@ def main(argv=None):
             if state["step"] % cfg.eval_every == 0 or last_step:
                 results = evaluate(cfg, heads, layers, target, eval_loader, accelerator)
                 accelerator.log(results, step=state["step"])
+                history.append({"step": state["step"], **results})
                 if accelerator.is_main_process:
                     progress.write(f"step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
             if state["step"] % cfg.save_every == 0 or last_step:
@@ -218,9 +231,13 @@ def main(argv=None):
                     "sequences": len(train_set), "tokens": int(sum(sum(m) for m in train_set["loss_mask"]))}
         save_heads(model, output, target, training=training)
         accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
+    # every rank reports its weights: data-parallel ranks must end identical
+    digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in accelerator.unwrap_model(heads).parameters())).hexdigest()
+    print(f"rank {accelerator.process_index}: weights sha256 {digest[:16]}", flush=True)
     accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    return {"steps": state["step"], "history": history, "output": str(output), "weights_sha256": digest}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Training on a tiny chat model: the loss falls, the head drafts better, two processes agree, a killed run
+resumes to the same weights, and recipe mistakes are clear errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleHead, load_heads
+from inference import DynamicTreeSpec, generate, load_target
+from training.train_heads import main as train
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the cat dog runs jumps over a lazy fox quick brown red blue green tree house car sun moon star sky sea big small old new".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    """A tiny Llama with a word-level tokenizer and a chat template, and a small prompt file."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny-chat")
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=template)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for _ in range(160):
+            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
+                                "response": " ".join(rng.choice(WORDS) for _ in range(16))}) + "\n")
+    return root
+
+
+def recipe(root, out, **extra):
+    args = {
+        "model": root / "model", "data.path": root / "prompts.jsonl", "data.eval_prompts": 16, "data.self_distill": 128,
+        "data.distill_max_new_tokens": 32, "data.cache_dir": root / "cache", "output_dir": out, "batch_size": 8,
+        "learning_rate": 5e-3, "warmup_steps": 10, "max_steps": 150, "eval_every": 50, "save_every": 50,
+    }
+    args.update(extra)
+    return [str(x) for k, v in args.items() for x in (f"--{k}", v)]
+
+
+def mean_tau(model, tokenizer, head, prompts):
+    taus = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        taus.append(generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8)).stats.mean_accepted)
+    return sum(taus) / len(taus)
+
+
+def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
+    result = train(recipe(tiny_chat, tmp_path / "eagle", eagle_unroll=2))
+    first, last = result["history"][0], result["history"][-1]
+    assert last["eval/loss"] < first["eval/loss"]
+    assert "eval/top1/depth2" in last  # the unrolled step is evaluated as a second draft depth
+    model, tokenizer = load_target(tiny_chat / "model")
+    trained = load_heads(tmp_path / "eagle", model)
+    untrained = EagleHead(EagleConfig.for_target(model.config)).eval()
+    held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
+    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
+    saved = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert saved["training"]["steps"] == 150 and saved["training"]["config"]["eagle_unroll"] == 2
+
+
+def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
+    result = train(recipe(tiny_chat, tmp_path / "medusa", **{"head.kind": "medusa", "head.num_heads": 3, "max_steps": 40, "eval_every": 20}))
+    assert result["history"][-1]["eval/loss"] < result["history"][0]["eval/loss"] + 1e-6
+    assert {"eval/top1/depth2", "eval/top1/depth4"} <= set(result["history"][-1])
+    model, _ = load_target(tiny_chat / "model")
+    assert load_heads(tmp_path / "medusa", model).config.num_heads == 3
+
+
+def run_script(args, env_extra=None, **kwargs):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env_extra or {})}
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--main_process_port", "29533", "training/train_heads.py"]
+    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3), {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    digests = dict(line.split(": weights sha256 ") for line in output.splitlines() if "weights sha256" in line)
+    assert set(digests) == {"rank 0", "rank 1"}, output[-3000:]
+    assert digests["rank 0"] == digests["rank 1"]
+
+
+def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
+    common = dict(max_steps=30, save_every=10, eval_every=10)
+    reference = train(recipe(tiny_chat, tmp_path / "straight", **common))
+    args = [sys.executable, "training/train_heads.py"] + recipe(tiny_chat, tmp_path / "killed", **common)
+    proc = run_script(args, start_new_session=True)
+    checkpoint = tmp_path / "killed.train-state" / "step-0000010" / "trainer_state.json"
+    deadline = time.time() + 240
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.exists(), "the run never wrote its first checkpoint"
+    assert not (tmp_path / "killed" / "model.safetensors").exists(), "the run finished before it was killed"
+    resumed = train(recipe(tiny_chat, tmp_path / "killed", **common) + ["--resume"])
+    assert resumed["history"][0]["step"] > 10 or resumed["steps"] == 30
+    assert resumed["weights_sha256"] == reference["weights_sha256"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max_stepz", "3"], "unknown key"),
+    (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
+    (["--data.prompt_field", "question"], "has no 'question' field"),
+    (["--head.feature_layers", "[1, 99]"], "out of range"),
+    (["--head.hidden_size", "32"], "comes from the target"),
+    (["--lr_schedule", "exotic"], "lr_schedule"),
+])
+def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        train(recipe(tiny_chat, tmp_path / "bad", max_steps=1) + extra)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
