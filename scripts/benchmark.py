@@ -1,0 +1,204 @@
+"""Spec-Bench-style benchmark: every method on the same prompts, in one process, interleaved question by question.
+
+    python scripts/benchmark.py --questions ../shared/data/eval/dev.jsonl --methods hf eagle medusa \
+        --eagle checkpoints/smollm2-135m-instruct-eagle --medusa checkpoints/smollm2-135m-instruct-medusa \
+        --per-category 2 --max-new-tokens 128 --dtype float32 --out docs/results/dev-fp32
+
+Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup decoding), lookup (our prompt
+lookup drafter), eagle, medusa, eagle+lookup (the EAGLE tree and a copied span merged into one tree).
+A multi-turn question is answered turn by turn through the chat template; every method is given the
+baseline's earlier answers, so all methods see identical prompts. Reports per category and overall:
+tokens/s, speedup over the baseline, tau (new tokens per target forward) and the share of outputs
+identical to the baseline's; writes <out>.json, <out>.md and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
+
+from heads import load_heads  # noqa: E402
+from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
+
+METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
+
+
+def hf_generate(model, prompt, max_new_tokens, **extra):
+    started = time.perf_counter()
+    out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens, **extra)
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens, time.perf_counter() - started, None
+
+
+def build_methods(args, model, tokenizer):
+    """name -> function(prompt) -> (tokens, seconds, target forwards or None)."""
+    heads = {}
+    if any("eagle" in m for m in args.methods):
+        if not args.eagle:
+            raise SystemExit("the eagle methods need --eagle CHECKPOINT_DIR")
+        heads["eagle"] = load_heads(args.eagle, model)
+    if "medusa" in args.methods:
+        if not args.medusa:
+            raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
+        heads["medusa"] = load_heads(args.medusa, model)
+    tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+
+    def ours(drafter, tree=None):
+        def run(prompt):
+            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, tree=tree)
+            return out.token_ids, out.stats.seconds, out.stats.target_forwards
+        return run
+
+    table = {
+        "hf": lambda p: hf_generate(model, p, args.max_new_tokens),
+        "hf-lookup": lambda p: hf_generate(model, p, args.max_new_tokens, prompt_lookup_num_tokens=10),
+        "lookup": ours(PromptLookupDrafter()),
+        "eagle": ours(heads.get("eagle"), tree),
+        "medusa": ours(heads.get("medusa")),
+        "eagle+lookup": ours([heads.get("eagle"), PromptLookupDrafter()], tree),
+    }
+    return {name: table[name] for name in args.methods}
+
+
+def summarise(records, methods):
+    """Per category and overall: tokens/s, speedup over hf, tau, identical share."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[r["category"]].append(r)
+        groups["overall"].append(r)
+    summary = {}
+    for category, rows in groups.items():
+        summary[category] = {}
+        for m in methods:
+            tokens = sum(len(r["tokens"][m]) for r in rows)
+            seconds = sum(r["seconds"][m] for r in rows)
+            forwards = [r["forwards"][m] for r in rows if r["forwards"][m] is not None]
+            summary[category][m] = {
+                "tokens_per_second": tokens / seconds if seconds else 0.0,
+                "tau": tokens / sum(forwards) if forwards else None,
+                "identical": sum(r["tokens"][m] == r["tokens"]["hf"] for r in rows) / len(rows) if "hf" in methods else None,
+                "turns": len(rows),
+            }
+        if "hf" in methods:
+            base = summary[category]["hf"]["tokens_per_second"]
+            for m in methods:
+                summary[category][m]["speedup"] = summary[category][m]["tokens_per_second"] / base if base else None
+    return summary
+
+
+def markdown(summary, methods, header):
+    lines = [header, "", "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for category in sorted(summary, key=lambda c: (c == "overall", c)):
+        cells = []
+        for m in methods:
+            s = summary[category][m]
+            cell = f"{s['tokens_per_second']:.1f} tok/s"
+            if s.get("speedup") is not None and m != "hf":
+                cell += f", {s['speedup']:.2f}x"
+            if s["tau"] is not None:
+                cell += f", tau {s['tau']:.2f}"
+            if s["identical"] is not None and m != "hf":
+                cell += f", {100 * s['identical']:.0f}% identical"
+            cells.append(cell)
+        lines.append(f"| {category} ({summary[category][methods[0]]['turns']} turns) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(summary, methods, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = sorted(summary, key=lambda c: (c == "overall", c))
+    key = "speedup" if "hf" in methods else "tokens_per_second"
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories)), 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        values = [summary[c][m].get(key) or 0 for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], [c.replace("mt_bench/", "") for c in categories], rotation=30, ha="right")
+    ax.set_ylabel("speedup over HF greedy" if key == "speedup" else "tokens/s")
+    if key == "speedup":
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def pick(questions, per_category, limit):
+    if per_category:
+        count = defaultdict(int)
+        chosen = []
+        for q in questions:
+            if count[q["category"]] < per_category:
+                chosen.append(q)
+                count[q["category"]] += 1
+        questions = chosen
+    return questions[:limit] if limit else questions
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
+    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--methods", nargs="+", default=["hf", "hf-lookup", "eagle", "eagle+lookup"], choices=METHODS)
+    parser.add_argument("--eagle", help="EAGLE head checkpoint directory")
+    parser.add_argument("--medusa", help="Medusa heads checkpoint directory")
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--nodes", type=int, default=15)
+    parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
+    parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
+    args = parser.parse_args(argv)
+    if "hf" in args.methods and args.methods[0] != "hf":
+        args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
+
+    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    runners = build_methods(args, model, tokenizer)
+    questions = pick(read_questions(args.questions), args.per_category, args.limit)
+    warm = chat_prompt(tokenizer, ["Hello"])
+    for run in runners.values():  # warm-up, outside the measurement
+        run(warm[:16])
+
+    records = []
+    for q in tqdm(questions, desc="questions"):
+        answers = []
+        for turn in range(len(q["turns"])):
+            prompt = chat_prompt(tokenizer, q["turns"][: turn + 1], answers)
+            record = {"question_id": q["question_id"], "category": q["category"], "turn": turn, "tokens": {}, "seconds": {}, "forwards": {}}
+            for name, run in runners.items():
+                record["tokens"][name], record["seconds"][name], record["forwards"][name] = run(prompt)
+            records.append(record)
+            first = record["tokens"][args.methods[0]]  # the baseline's answer is fed back to every method
+            answers.append(tokenizer.decode(first, skip_special_tokens=True))
+
+    summary = summarise(records, args.methods)
+    header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {args.dtype}, greedy.")
+    table = markdown(summary, args.methods, header)
+    print("\n" + table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "summary": summary, "records": records}, indent=1))
+        out.with_suffix(".md").write_text(table)
+        chart(summary, args.methods, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.json')}, .md and .png")
+
+
+if __name__ == "__main__":
+    main()
