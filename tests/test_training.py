@@ -85,7 +85,9 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
 
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
-    result = train(recipe(tiny_chat, tmp_path / "medusa", **{"head.kind": "medusa", "head.num_heads": 3, "max_steps": 40, "eval_every": 20}))
+    result = train(recipe(tiny_chat, tmp_path / "medusa", **{"head.kind": "medusa", "head.num_heads": 3, "max_steps": 40, "eval_every": 20,
+                                                             "report_to": "tensorboard", "log_every": 5}))
+    assert list((tmp_path / "medusa.train-state").rglob("events.out.tfevents.*")), "no tensorboard log written"
     assert result["history"][-1]["eval/loss"] < result["history"][0]["eval/loss"] + 1e-6
     assert {"eval/top1/depth2", "eval/top1/depth4"} <= set(result["history"][-1])
     model, _ = load_target(tiny_chat / "model")

@@ -136,7 +136,7 @@ def main(argv=None):
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
-        project_dir=cfg.output_dir,
+        project_dir=cfg.state_dir or f"{cfg.output_dir}.train-state",  # tracker logs live beside the checkpoints
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else None,
     )
