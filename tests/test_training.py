@@ -17,38 +17,6 @@ from inference import DynamicTreeSpec, generate, load_target
 from training.train_heads import main as train
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the cat dog runs jumps over a lazy fox quick brown red blue green tree house car sun moon star sky sea big small old new".split()
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    """A tiny Llama with a word-level tokenizer and a chat template, and a small prompt file."""
-    import random
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("tiny-chat")
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
-    vocab = {t: i for i, t in enumerate(specials + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=template)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=2))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(160):
-            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
-                                "response": " ".join(rng.choice(WORDS) for _ in range(16))}) + "\n")
-    return root
 
 
 def recipe(root, out, **extra):

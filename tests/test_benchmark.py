@@ -1,0 +1,24 @@
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import benchmark  # noqa: E402
+
+
+def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
+        {"question_id": 2, "category": "copy", "turns": ["red blue green red blue green red blue"]},
+    ]))
+    out = tmp_path / "report"
+    benchmark.main(["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "hf", "lookup", "hf-lookup",
+                    "--max-new-tokens", "12", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    summary = report["summary"]
+    assert set(summary) == {"chat", "copy", "overall"}
+    assert summary["overall"]["lookup"]["identical"] == 1.0  # our drafter never changes the output
+    assert summary["overall"]["hf"]["turns"] == 3 and summary["overall"]["lookup"]["tau"] >= 1.0
+    assert [r["turn"] for r in report["records"]] == [0, 1, 0]
+    assert out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
