@@ -39,7 +39,7 @@ def medusa_loss(heads, lm_head, hidden: torch.Tensor, input_ids: torch.Tensor, l
         keep[keep.clone()] = loss_mask[where[keep, 0], label_at[keep]].bool()
         if not keep.any():
             continue
-        logits = lm_head(features[keep, k]).float()
+        logits = lm_head(features[keep, k].to(lm_head.weight.dtype)).float()
         labels = input_ids[where[keep, 0], label_at[keep]]
         total = total + decay**k * F.cross_entropy(logits, labels)
         top = logits.topk(4, dim=-1).indices
@@ -56,7 +56,7 @@ def eagle_loss(head, layers: list[int], embed, lm_head, features: dict[int, torc
     inputs = torch.cat([features[layer] for layer in layers], dim=-1)[:, :-1]  # fused inside the head
     if head.training and noise > 0:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * noise
-    tokens = embed(input_ids[:, 1:])
+    tokens = embed(input_ids[:, 1:]).float()  # the frozen target may run in bf16; the head trains in fp32
     batch, length = tokens.shape[:2]
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
     valid = loss_mask[:, 1:].bool()  # position t predicts what follows token t+1: a response token
@@ -75,8 +75,8 @@ def eagle_loss(head, layers: list[int], embed, lm_head, features: dict[int, torc
         where = sample_positions(step_valid, max_tokens)
         if where.shape[0]:
             with torch.no_grad():
-                target_logits = lm_head(targets[where[:, 0], where[:, 1]]).float()
-            logits = lm_head(predicted[where[:, 0], where[:, 1]]).float()
+                target_logits = lm_head(targets[where[:, 0], where[:, 1]].to(lm_head.weight.dtype)).float()
+            logits = lm_head(predicted[where[:, 0], where[:, 1]].to(lm_head.weight.dtype)).float()
             if ce_weight:
                 soft = torch.softmax(target_logits, dim=-1)
                 total = total + ce_weight * -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
