@@ -1,0 +1,87 @@
+"""Command line: answer a prompt (or chat) with speculative decoding, streaming the output.
+
+    python -m inference "Summarise the plot of Hamlet." --heads checkpoints/smollm2-135m-instruct-eagle --stats
+    python -m inference --chat --heads checkpoints/smollm2-135m-instruct-eagle --lookup
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from transformers import TextStreamer
+
+from heads import load_heads
+
+from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
+from .tree import best_static_paths, default_accuracy
+
+
+def parse_tree(text: str | None, heads):
+    """'depth,top_k,nodes' for an EAGLE head; 'N' (nodes) for Medusa heads."""
+    if text is None or heads is None:
+        return None
+    numbers = [int(x) for x in text.split(",")]
+    if getattr(heads.config, "kind", "") == "eagle":
+        if len(numbers) != 3:
+            raise SystemExit("--tree for an EAGLE head is depth,top_k,nodes (e.g. 5,4,15)")
+        return DynamicTreeSpec(*numbers)
+    if len(numbers) != 1:
+        raise SystemExit("--tree for Medusa heads is the number of draft nodes (e.g. 15)")
+    return best_static_paths(numbers[0], default_accuracy(depth=heads.config.num_heads, ranks=4))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", nargs="?", help="one prompt to answer (omit with --chat)")
+    parser.add_argument("--chat", action="store_true", help="an interactive conversation; an empty line ends it")
+    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
+    parser.add_argument("--lookup", action="store_true", help="merge prompt-lookup drafts into the tree")
+    parser.add_argument("--tree", default=None, help="EAGLE: depth,top_k,nodes; Medusa: nodes")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--stats", action="store_true", help="print tau, tokens/s and target forwards after each answer")
+    args = parser.parse_args(argv)
+    if not args.chat and not args.prompt:
+        parser.error("give a prompt, or --chat for a conversation")
+
+    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    heads = load_heads(args.heads, model) if args.heads else None
+    tree = parse_tree(args.tree, heads)
+    drafters = [d for d in (heads, PromptLookupDrafter() if args.lookup else None) if d is not None]
+    drafter = drafters[0] if len(drafters) == 1 else (drafters or None)
+
+    messages = []
+
+    def answer(text: str) -> None:
+        messages.append({"role": "user", "content": text})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        out = generate(model, drafter, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tree=tree, seed=args.seed,
+                       streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+        messages.append({"role": "assistant", "content": out.text})
+        if args.stats:
+            s = out.stats
+            print(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, "
+                  f"tau {s.mean_accepted:.2f}, {s.target_forwards} target forwards]", file=sys.stderr)
+
+    if not args.chat:
+        answer(args.prompt)
+        return
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        answer(text)
+
+
+if __name__ == "__main__":
+    main()
