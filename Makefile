@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast bench-overhead
+.PHONY: install demo test test-fast bench-overhead
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python scripts/demo.py
 
 test: install
 	$(BIN)/python -m pytest -q
