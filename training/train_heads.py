@@ -179,12 +179,11 @@ def main(argv=None):
             state = json.loads((last / "trainer_state.json").read_text())
             accelerator.print(f"resumed from {last} (step {state['step']})")
 
-    batches_per_epoch = len(loader)
-    micro = cfg.gradient_accumulation_steps
     progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process)
     started, metrics = time.perf_counter() - state["train_seconds"], {}
     heads.train()
-    while state["step"] < cfg.max_steps:
+    finished = False
+    while not finished:
         loader.set_epoch(state["epoch"])
         epoch_loader = accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
         for batch in epoch_loader:
@@ -206,22 +205,20 @@ def main(argv=None):
             if state["step"] % cfg.log_every == 0:
                 accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}, step=state["step"])
             out_of_time = cfg.max_minutes is not None and state["train_seconds"] > 60 * cfg.max_minutes
-            last_step = state["step"] >= cfg.max_steps or out_of_time
-            if state["step"] % cfg.eval_every == 0 or last_step:
+            finished = state["step"] >= cfg.max_steps or out_of_time
+            if state["step"] % cfg.eval_every == 0 or finished:
                 results = evaluate(cfg, heads, layers, target, eval_loader, accelerator)
                 accelerator.log(results, step=state["step"])
                 history.append({"step": state["step"], **results})
                 if accelerator.is_main_process:
                     progress.write(f"step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
-            if state["step"] % cfg.save_every == 0 or last_step:
+            if state["step"] % cfg.save_every == 0 or finished:
                 save_checkpoint(accelerator, checkpoints, state, cfg.keep_checkpoints)
-            if last_step:
+            if finished:
                 break
-        else:
+        else:  # the epoch ran out before the steps did
             state["epoch"] += 1
             state["batches_in_epoch"] = 0
-            continue
-        break
     progress.close()
 
     accelerator.wait_for_everyone()
