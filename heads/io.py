@@ -45,6 +45,7 @@ def save_heads(
     state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in heads.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is an ordinary directory
     try:
         save_file(state, staging / "model.safetensors")
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -59,6 +60,12 @@ def save_heads(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -127,7 +127,7 @@ def chart(summary, methods, path):
     for i, m in enumerate(methods):
         values = [summary[c][m].get(key) or 0 for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], [c.replace("mt_bench/", "") for c in categories], rotation=30, ha="right")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], [c.replace("mt_bench/", "mt-") for c in categories], rotation=30, ha="right")
     ax.set_ylabel("speedup over HF greedy" if key == "speedup" else "tokens/s")
     if key == "speedup":
         ax.axhline(1.0, color="gray", linewidth=0.8)
