@@ -1,7 +1,7 @@
 """Fit draft heads on a frozen target.
 
-    accelerate launch training/train_heads.py --config configs/smollm2-eagle.yaml [--key value ...]
-    accelerate launch --config_file configs/accelerate/deepspeed-zero2.yaml training/train_heads.py --config ...
+    accelerate launch training/train_heads.py --config configs/smollm2-135m-instruct-eagle.yaml [--key value ...]
+    accelerate launch --config_file configs/accelerate/deepspeed-zero2.yaml training/train_heads.py --config configs/llama-3.1-8b-instruct-eagle.yaml
 
 One process, several processes (data parallel) or DeepSpeed ZeRO all go through accelerate; the loop below
 does not know which. Checkpoints (`<output_dir>.train-state/step-N`) are written atomically every
