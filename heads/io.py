@@ -49,6 +49,7 @@ def save_heads(
     try:
         save_file(state, staging / "model.safetensors")
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        os.chmod(staging / "model.safetensors", 0o666 & ~_umask())  # safetensors writes it private
         if path.exists():  # swap: the old checkpoint is removed only once the new one is complete
             retired = path.with_name(f".{path.name}.old")
             shutil.rmtree(retired, ignore_errors=True)
