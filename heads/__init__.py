@@ -4,8 +4,10 @@ from .config import EagleConfig, HeadConfigError, MedusaConfig, TargetFingerprin
 from .eagle import EagleHead
 from .io import build_heads, load_heads, save_heads
 from .medusa import MedusaHeads
+from .vocab import DraftVocabulary, most_frequent_tokens
 
 __all__ = [
+    "DraftVocabulary",
     "EagleConfig",
     "EagleHead",
     "HeadConfigError",
@@ -14,5 +16,6 @@ __all__ = [
     "TargetFingerprint",
     "build_heads",
     "load_heads",
+    "most_frequent_tokens",
     "save_heads",
 ]

@@ -40,11 +40,13 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1
+    draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
     kind: str = "medusa"
 
     def __post_init__(self):
         if self.kind != "medusa":
             raise HeadConfigError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
+        _check_draft_vocab(self)
         if self.num_heads < 1 or self.num_layers < 1:
             raise HeadConfigError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
 
@@ -71,11 +73,13 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
     kind: str = "eagle"
 
     def __post_init__(self):
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
+        _check_draft_vocab(self)
         self.feature_layers = list(self.feature_layers)
         if not self.feature_layers:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
@@ -97,6 +101,12 @@ class EagleConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def _check_draft_vocab(config) -> None:
+    n = config.draft_vocab_size
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= config.vocab_size):
+        raise HeadConfigError(f"draft_vocab_size must be a whole number from 1 to the vocabulary size {config.vocab_size}, or null; got {n!r}")
 
 
 def _rope_theta(config) -> float:

@@ -41,6 +41,8 @@ class EagleHead(nn.Module):
             )
         )
         self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
+        # the target's token ids the head drafts from (set by training), saved with the weights
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
     def forward(
         self,

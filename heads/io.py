@@ -42,7 +42,10 @@ def save_heads(
         "target": dataclasses.asdict(TargetFingerprint.of(target)),
         "training": training,
     }
-    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in heads.state_dict().items()}
+    state = {  # weights in `dtype`; the draft vocabulary's token ids stay integers
+        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        for name, tensor in heads.state_dict().items()
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is an ordinary directory

@@ -1,4 +1,5 @@
-"""Medusa-1 heads: K residual blocks on the target's last hidden state, one shared lm_head projection."""
+"""Medusa-1 heads: K residual blocks on the target's last hidden state, projected by the target's lm_head
+(restricted to a draft vocabulary when the config has one: heads.vocab)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
+        # the target's token ids the heads draft from (set by training), saved with the weights
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """[..., H] -> logits [..., K, V], all heads through the target's lm_head in ONE projection;
-        without lm_head, the heads' features [..., K, H] (training projects only where labels are)."""
-        features = torch.stack([head(hidden) for head in self.heads], dim=-2)
-        return features if lm_head is None else lm_head(features)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> each head's feature [..., K, H]; callers project them, all heads in ONE call."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from transformers import DynamicCache
 
-from heads import EagleHead, HeadConfigError, MedusaHeads
+from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads
 
 from .tree import (
     DynamicTreeSpec,
@@ -97,7 +97,7 @@ class MedusaDrafter:
         )
         if self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
-        self.heads, self.lm_head = heads, model.get_output_embeddings()
+        self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         self.hidden = None
 
     def reset(self) -> None:
@@ -107,8 +107,8 @@ class MedusaDrafter:
         self.hidden = hidden[-1][-1]  # the state that produced the root
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        logits = self.heads(self.hidden, self.lm_head)[: self.tree.max_depth]  # [depth, V], one projection
-        candidates = logits.topk(self.tree.max_rank + 1, dim=-1).indices
+        logits = self.vocab.logits(self.heads(self.hidden)[: self.tree.max_depth])  # [depth, N], one projection
+        candidates = self.vocab.to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices)
         return self.tree.fill(tokens[-1], candidates).truncate(max_depth)
 
 
@@ -127,7 +127,7 @@ class EagleDrafter:
             raise TreeError(f"the EAGLE drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
         self.spec = tree or DynamicTreeSpec()
         self.head = head
-        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.embed, self.vocab = model.get_input_embeddings(), DraftVocabulary(model.get_output_embeddings(), head.draft_ids)
         self.hidden_layers = tuple(head.config.feature_layers)
         self.reset()
 
@@ -142,7 +142,7 @@ class EagleDrafter:
         self.last, self.length = out[0, -1], self.length + k
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.lm_head(features).float(), dim=-1)
+        return torch.log_softmax(self.vocab.logits(features).float(), dim=-1)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         depth_limit = min(self.spec.depth, max_depth)
@@ -161,7 +161,7 @@ class EagleDrafter:
             top = log_probs.topk(k, dim=-1)  # [F, k]
             children = torch.arange(start, start + top.indices.numel(), device=device)
             child_parents = frontier.repeat_interleave(k)
-            node_tokens[children], parents[children] = top.indices.flatten(), child_parents
+            node_tokens[children], parents[children] = self.vocab.to_target(top.indices).flatten(), child_parents
             depth[children] = depth[child_parents] + 1
             scores[children] = (scores[frontier, None] + top.values).flatten()
             ancestors[children] = ancestors[child_parents]

@@ -30,7 +30,9 @@ def random_heads(model):
     for p in medusa.parameters():
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: candidates should vary
     eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
-    eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, 2, -1])).eval()
+    # EAGLE-3 fusion with a reduced draft vocabulary: draft indices must map back to the target's ids
+    eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, 2, -1], draft_vocab_size=48)).eval()
+    eagle3.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:48].sort().values)
     return medusa.eval(), eagle, eagle3
 
 

@@ -4,13 +4,44 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, MedusaHeads, TargetFingerprint, load_heads, save_heads
+from heads import (
+    DraftVocabulary,
+    EagleConfig,
+    EagleHead,
+    HeadConfigError,
+    MedusaConfig,
+    MedusaHeads,
+    TargetFingerprint,
+    load_heads,
+    most_frequent_tokens,
+    save_heads,
+)
 from heads.config import head_config_from_dict
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_model("llama")
+
+
+def test_reduced_draft_vocabulary_round_trip(target, tmp_path):
+    heads = MedusaHeads(MedusaConfig.for_target(target.config, num_heads=2, draft_vocab_size=5))
+    ids, covered, total = most_frequent_tokens([[7, 7, 3, 90, 90, 90, 60], [3, 41, 41, 7, 12, 12, 12, 5]], 5, 97)
+    assert ids.tolist() == [3, 7, 12, 41, 90]  # counts 2, 3, 3, 2, 3; 5 and 60 once each
+    assert (covered, total) == (13, 15)
+    heads.draft_ids.copy_(ids)
+    save_heads(heads, tmp_path / "reduced", target, training=None)  # bf16 weights, integer token ids
+    loaded = load_heads(tmp_path / "reduced", target)
+    assert loaded.draft_ids.dtype == torch.long and torch.equal(loaded.draft_ids, ids)
+
+    lm_head = target.get_output_embeddings()
+    full, reduced = DraftVocabulary(lm_head), DraftVocabulary(lm_head, loaded.draft_ids)
+    hidden = torch.randn(4, 64)
+    assert torch.allclose(reduced.logits(hidden), full.logits(hidden)[:, ids], atol=1e-5)
+    assert torch.equal(reduced.to_target(torch.tensor([0, 4])), ids[[0, 4]])
+    assert reduced.from_target(torch.tensor([12, 0, 90])).tolist() == [2, -100, 4]
+    with pytest.raises(HeadConfigError, match="draft_vocab_size"):
+        MedusaConfig.for_target(target.config, draft_vocab_size=98)
 
 
 def test_medusa_round_trip_and_shared_projection(target, tmp_path):
@@ -20,9 +51,9 @@ def test_medusa_round_trip_and_shared_projection(target, tmp_path):
     save_heads(heads, tmp_path / "medusa", target, training={"steps": 0}, dtype=torch.float32)
     loaded = load_heads(tmp_path / "medusa", target)
     hidden = torch.randn(5, 64)
-    lm_head = target.get_output_embeddings()
-    assert torch.equal(loaded(hidden, lm_head), heads(hidden, lm_head))
-    assert heads(hidden, lm_head).shape == (5, 3, 97)
+    vocab = DraftVocabulary(target.get_output_embeddings())
+    assert torch.equal(vocab.logits(loaded(hidden)), vocab.logits(heads(hidden)))
+    assert vocab.logits(heads(hidden)).shape == (5, 3, 97)
     saved = json.loads((tmp_path / "medusa" / "config.json").read_text())
     assert saved["head"]["kind"] == "medusa" and saved["training"] == {"steps": 0}
     assert "lm_head.weight" not in str(loaded.state_dict().keys())  # the target's projection is not copied

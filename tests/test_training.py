@@ -54,13 +54,16 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     result = train(recipe(tiny_chat, tmp_path / "medusa", **{"head.kind": "medusa", "head.num_heads": 3, "max_steps": 40, "eval_every": 20,
+                                                             "head.draft_vocab_size": 24,
                                                              "target_dtype": "bfloat16",
                                                              "report_to": "tensorboard", "log_every": 5}))
     assert list((tmp_path / "medusa.train-state").rglob("events.out.tfevents.*")), "no tensorboard log written"
     assert result["history"][-1]["eval/loss"] < result["history"][0]["eval/loss"] + 1e-6
     assert {"eval/top1/depth2", "eval/top1/depth4"} <= set(result["history"][-1])
-    model, _ = load_target(tiny_chat / "model")
-    assert load_heads(tmp_path / "medusa", model).config.num_heads == 3
+    model, tokenizer = load_target(tiny_chat / "model")
+    heads = load_heads(tmp_path / "medusa", model)
+    assert heads.config.num_heads == 3 and heads.draft_ids.shape == (24,)
+    assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
 
 
 def run_script(args, env_extra=None, **kwargs):
@@ -71,7 +74,7 @@ def run_script(args, env_extra=None, **kwargs):
 def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--main_process_port", "29533", "training/train_heads.py"]
-    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3, target_dtype="bfloat16", eagle_unroll=2), {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3, target_dtype="bfloat16", eagle_unroll=2, **{"head.draft_vocab_size": 16}), {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
     digests = dict(line.split(": weights sha256 ") for line in output.splitlines() if "weights sha256" in line)

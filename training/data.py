@@ -22,6 +22,9 @@ from tqdm.auto import tqdm
 from .config import ConfigError, DataConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# the data settings that decide which prompts are self-distilled, and how
+DISTILL_SETTINGS = ("path", "split", "prompt_field", "messages_field", "max_prompts", "eval_prompts",
+                    "distill_max_new_tokens", "distill_batch_size", "distill_temperature")
 
 
 def load_records(data: DataConfig) -> Dataset:
@@ -89,14 +92,16 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     random.Random(seed).shuffle(order)
 
     train = []
-    for messages, response in rest:
-        if response:
-            train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
+    with_response = [i for i in order if rest[i][1]][: data.dataset_responses]
+    for i in sorted(with_response):
+        messages, response = rest[i]
+        train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
     if data.self_distill:
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
-        # keyed without the count: raising data.self_distill reuses the shards already written
-        settings = {k: v for k, v in data.__dict__.items() if k not in ("self_distill", "eval_prompts", "cache_dir")}
-        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed, data.eval_prompts)}", is_main)
+        # keyed on what shapes the generated text only, not the count: raising data.self_distill (or
+        # changing how the rest of the data is used) reuses the shards already written
+        settings = [getattr(data, k) for k in DISTILL_SETTINGS]
+        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed)}", is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
     evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
     if not train:
@@ -121,9 +126,13 @@ def self_distill(target, tokenizer, prompts: list[list[int]], data: DataConfig, 
     for number, shard in enumerate(tqdm(shards, desc="self-distilling", disable=not is_main)):
         path = directory / f"shard-{number:05d}.json"
         if not path.is_file():
-            written = []
+            # batches of similar prompt length: left padding to the longest prompt costs every row its width
+            by_length = sorted(range(len(shard)), key=lambda i: len(shard[i]))
+            written: list[list[int]] = [[] for _ in shard]
             for start in range(0, len(shard), data.distill_batch_size):
-                written += generate_batch(target, tokenizer, shard[start : start + data.distill_batch_size], data)
+                rows = by_length[start : start + data.distill_batch_size]
+                for row, response in zip(rows, generate_batch(target, tokenizer, [shard[i] for i in rows], data)):
+                    written[row] = response
             staging = path.with_suffix(f".tmp{os.getpid()}")
             staging.write_text(json.dumps(written))
             os.replace(staging, path)  # a shard is either complete or absent

@@ -2,7 +2,8 @@
 
 The vocabulary projection dominates the cost of a step on a small target (49152 x 576 per token, forward
 and backward), so the cross-entropy terms use at most `max_tokens` randomly chosen loss positions per
-batch; the cheap feature regression covers every position.
+batch, projected onto the heads' draft vocabulary (heads.vocab); the cheap feature regression covers
+every position.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from heads import DraftVocabulary
 
 
 @torch.no_grad()
@@ -28,7 +31,7 @@ def sample_positions(mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
     return where
 
 
-def medusa_loss(heads, lm_head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int):
+def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int):
     """Head k at position t predicts the token at t + k + 2 (the one after next, then further)."""
     where = sample_positions(loss_mask[:, 2:].bool(), max_tokens)  # positions head 0 has a label for
     features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
@@ -39,16 +42,18 @@ def medusa_loss(heads, lm_head, hidden: torch.Tensor, input_ids: torch.Tensor, l
         keep[keep.clone()] = loss_mask[where[keep, 0], label_at[keep]].bool()
         if not keep.any():
             continue
-        logits = lm_head(features[keep, k].to(lm_head.weight.dtype)).float()
+        logits = vocab.logits(features[keep, k]).float()
         labels = input_ids[where[keep, 0], label_at[keep]]
-        total = total + decay**k * F.cross_entropy(logits, labels)
-        top = logits.topk(4, dim=-1).indices
+        drafted = vocab.from_target(labels)  # -100 (ignored) where the label is outside the draft vocabulary
+        if (drafted >= 0).any():
+            total = total + decay**k * F.cross_entropy(logits, drafted, ignore_index=-100)
+        top = vocab.to_target(logits.topk(4, dim=-1).indices)
         metrics[f"top1/depth{k + 2}"] = (top[:, 0] == labels).float().mean().item()
         metrics[f"top4/depth{k + 2}"] = (top == labels[:, None]).any(-1).float().mean().item()
     return total, metrics
 
 
-def eagle_loss(head, layers: list[int], embed, lm_head, features: dict[int, torch.Tensor], input_ids, loss_mask, *, regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int):
+def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, features: dict[int, torch.Tensor], input_ids, loss_mask, *, regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int):
     """EAGLE: from (feature of token t, token t+1) predict the feature of t+1 and the target's distribution
     after it. With unroll > 1, EAGLE-3's training-time test: step j feeds the head its own step-(j-1)
     predictions, attending to real features before the draft and its own earlier draft steps, exactly as
@@ -74,14 +79,17 @@ def eagle_loss(head, layers: list[int], embed, lm_head, features: dict[int, torc
             total = total + regression_weight * (diff * step_valid).sum() / step_valid.sum().clamp(min=1)
         where = sample_positions(step_valid, max_tokens)
         if where.shape[0]:
-            with torch.no_grad():
-                target_logits = lm_head(targets[where[:, 0], where[:, 1]].to(lm_head.weight.dtype)).float()
-            logits = lm_head(predicted[where[:, 0], where[:, 1]].to(lm_head.weight.dtype)).float()
+            chosen = targets[where[:, 0], where[:, 1]]
+            with torch.no_grad():  # the target's distribution, restricted to the draft vocabulary
+                target_logits = vocab.logits(chosen).float()
+                # evaluation scores against the target's true next token; training makes do with the
+                # draft vocabulary's view of it, which saves a full-vocabulary projection per step
+                wanted = lm_head(chosen.to(lm_head.weight.dtype)).argmax(-1) if not head.training else vocab.to_target(target_logits.argmax(-1))
+            logits = vocab.logits(predicted[where[:, 0], where[:, 1]]).float()
             if ce_weight:
                 soft = torch.softmax(target_logits, dim=-1)
                 total = total + ce_weight * -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-            wanted = target_logits.argmax(-1)
-            top = logits.topk(4, dim=-1).indices
+            top = vocab.to_target(logits.topk(4, dim=-1).indices)
             metrics[f"top1/depth{step}"] = (top[:, 0] == wanted).float().mean().item()
             metrics[f"top4/depth{step}"] = (top == wanted[:, None]).any(-1).float().mean().item()
         # the next step sees this step's prediction for position t - 1 as its feature at t

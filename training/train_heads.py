@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from heads import EagleConfig, MedusaConfig, TargetFingerprint, build_heads, save_heads
+from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
 from training.config import ConfigError, TrainConfig, load_config
@@ -70,25 +70,26 @@ def collate(pad_id: int):
     return pad
 
 
-def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], target, batch):
+def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
     """`heads` may be wrapped (DDP, DeepSpeed): it is only ever called, so gradients are synchronised."""
     features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
     lm_head = target.get_output_embeddings()
+    vocab = DraftVocabulary(lm_head, draft_ids)
     if cfg.head["kind"] == "medusa":
-        return medusa_loss(heads, lm_head, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens)
+        return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens)
     return eagle_loss(
-        heads, layers, target.get_input_embeddings(), lm_head, features, batch["input_ids"], batch["loss_mask"],
+        heads, layers, target.get_input_embeddings(), lm_head, vocab, features, batch["input_ids"], batch["loss_mask"],
         regression_weight=cfg.eagle_regression_weight, ce_weight=cfg.eagle_ce_weight, noise=cfg.eagle_noise,
         unroll=cfg.eagle_unroll, max_tokens=cfg.loss_tokens,
     )
 
 
 @torch.no_grad()
-def evaluate(cfg, heads, layers, target, loader, accelerator) -> dict:
+def evaluate(cfg, heads, layers, draft_ids, target, loader, accelerator) -> dict:
     heads.eval()
     sums, count = {}, 0
     for batch in loader:
-        loss, metrics = compute_loss(cfg, heads, layers, target, batch)
+        loss, metrics = compute_loss(cfg, heads, layers, draft_ids, target, batch)
         for key, value in {"loss": float(loss), **metrics}.items():
             sums[key] = sums.get(key, 0.0) + value
         count += 1
@@ -124,6 +125,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a recipe in configs/*.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    parser.add_argument("--prepare-data", action="store_true", help="only build (and cache) the training data, then exit")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -153,8 +155,17 @@ def main(argv=None):
             train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
     except HeadConfigError as error:
         parser.error(str(error))
+    accelerator.print(f"data: {len(train_set)} training sequences ({sum(map(sum, train_set['loss_mask']))} loss tokens), {len(eval_set)} held out")
+    if args.prepare_data:
+        return {"steps": 0, "history": [], "output": None, "weights_sha256": None}
     heads = build_heads(config)
     layers = tuple(getattr(heads.config, "feature_layers", (-1,)))
+    if heads.draft_ids is not None:  # the draft vocabulary: the most frequent tokens of the training answers
+        ids, covered, total = most_frequent_tokens(
+            ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in train_set), config.draft_vocab_size, config.vocab_size
+        )
+        heads.draft_ids.copy_(ids)
+        accelerator.print(f"draft vocabulary: {len(ids)} tokens cover {covered / max(total, 1):.1%} of the training answers' tokens")
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule],
@@ -166,6 +177,7 @@ def main(argv=None):
     loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
     eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
     heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(heads, optimizer, loader, eval_loader, scheduler)
+    draft_ids = accelerator.unwrap_model(heads).draft_ids  # after prepare: on the training device
     accelerator.init_trackers("specheads", config={k: str(v) for k, v in cfg.to_dict().items()})
 
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0}
@@ -188,7 +200,7 @@ def main(argv=None):
         epoch_loader = accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
         for batch in epoch_loader:
             with accelerator.accumulate(heads):
-                loss, metrics = compute_loss(cfg, heads, layers, target, batch)
+                loss, metrics = compute_loss(cfg, heads, layers, draft_ids, target, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(heads.parameters(), cfg.max_grad_norm)
@@ -207,7 +219,7 @@ def main(argv=None):
             out_of_time = cfg.max_minutes is not None and state["train_seconds"] > 60 * cfg.max_minutes
             finished = state["step"] >= cfg.max_steps or out_of_time
             if state["step"] % cfg.eval_every == 0 or finished:
-                results = evaluate(cfg, heads, layers, target, eval_loader, accelerator)
+                results = evaluate(cfg, heads, layers, draft_ids, target, eval_loader, accelerator)
                 accelerator.log(results, step=state["step"])
                 history.append({"step": state["step"], **results})
                 if accelerator.is_main_process:
