@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from transformers import TextStreamer
 
 from heads import load_heads
 
 from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
+from .calibrate import load_or_measure
 from .tree import best_static_paths, default_accuracy
 
 
-def parse_tree(text: str | None, heads):
-    """'depth,top_k,nodes' for an EAGLE head; 'N' (nodes) for Medusa heads."""
-    if text is None or heads is None:
+def parse_tree(text: str | None, heads, model):
+    """'depth,top_k,nodes' for an EAGLE head (default: calibrated to this machine); 'N' (nodes) for Medusa."""
+    if heads is None:
+        return None
+    eagle = getattr(heads.config, "kind", "") == "eagle"
+    if eagle and text in (None, "auto"):  # sized per step from this machine's measured pass costs
+        spec = DynamicTreeSpec()
+        return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
+    if text is None:
         return None
     numbers = [int(x) for x in text.split(",")]
-    if getattr(heads.config, "kind", "") == "eagle":
+    if eagle:
         if len(numbers) != 3:
-            raise SystemExit("--tree for an EAGLE head is depth,top_k,nodes (e.g. 5,4,15)")
+            raise SystemExit("--tree for an EAGLE head is auto or depth,top_k,nodes (e.g. 5,4,15)")
         return DynamicTreeSpec(*numbers)
     if len(numbers) != 1:
         raise SystemExit("--tree for Medusa heads is the number of draft nodes (e.g. 15)")
@@ -38,7 +46,7 @@ def main(argv=None):
     parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
     parser.add_argument("--lookup", action="store_true", help="merge prompt-lookup drafts into the tree")
-    parser.add_argument("--tree", default=None, help="EAGLE: depth,top_k,nodes; Medusa: nodes")
+    parser.add_argument("--tree", default=None, help="EAGLE: auto (default: sized to this machine, see inference.calibrate) or depth,top_k,nodes; Medusa: nodes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -52,7 +60,7 @@ def main(argv=None):
 
     model, tokenizer = load_target(args.model, dtype=args.dtype)
     heads = load_heads(args.heads, model) if args.heads else None
-    tree = parse_tree(args.tree, heads)
+    tree = parse_tree(args.tree, heads, model)
     drafters = [d for d in (heads, PromptLookupDrafter() if args.lookup else None) if d is not None]
     drafter = drafters[0] if len(drafters) == 1 else (drafters or None)
 

@@ -23,6 +23,7 @@ from .tree import (
     Tree,
     TreeError,
     additive_mask,
+    best_node_count,
     best_static_paths,
     default_accuracy,
     merge_trees,
@@ -133,6 +134,7 @@ class EagleDrafter:
 
     def reset(self) -> None:
         self.cache, self.length, self.last = DynamicCache(), 0, None
+        self.levels = self.spec.depth  # with a measured cost: how deep the next tree may grow
 
     def observe(self, hidden, next_tokens) -> None:
         feature = torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)  # fused inside the head
@@ -145,7 +147,7 @@ class EagleDrafter:
         return torch.log_softmax(self.vocab.logits(features).float(), dim=-1)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        depth_limit = min(self.spec.depth, max_depth)
+        depth_limit = min(self.levels, max_depth)
         if depth_limit < 1:
             return root_only(tokens)
         k, device = self.spec.top_k, tokens.device
@@ -185,7 +187,13 @@ class EagleDrafter:
             frontier, frontier_features = children[best], out[best // k]
         self.cache.crop(-sum(f.shape[0] for f in fed))
 
-        keep = select_best_nodes(scores[:count], depth[:count], self.spec.nodes)
+        nodes = self.spec.nodes
+        if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
+            cost = self.spec.cost
+            nodes = best_node_count(scores[1:count], cost, depth_limit * cost.draft_level, self.spec.nodes)
+        keep = select_best_nodes(scores[:count], depth[:count], nodes)
+        if self.spec.cost is not None:
+            self.levels = min(self.spec.depth, int(depth[keep].max()) + 1)
         return subtree(node_tokens, parents, depth, ancestors, keep)
 
 

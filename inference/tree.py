@@ -8,6 +8,7 @@ derived here by pure tensor functions, tested on their own in tests/test_tree.py
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -220,12 +221,54 @@ def default_accuracy(depth: int, ranks: int, top1: float = 0.6, decay: float = 0
 
 
 @dataclass(frozen=True)
+class PassCost:
+    """What one step costs on this machine, relative to a one-token target pass (inference.calibrate).
+
+    `relative[i]` is a target pass over `tokens[i]` tokens (tokens[0] == 1, so relative[0] == 1); beyond the
+    last measurement the cost grows along the last measured slope. `draft_level` is one level of drafting.
+    """
+
+    tokens: tuple[int, ...]
+    relative: tuple[float, ...]
+    draft_level: float = 0.0
+
+    def __post_init__(self):
+        if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.relative) or list(self.tokens) != sorted(set(self.tokens)):
+            raise TreeError(f"PassCost needs ascending token counts starting at 1, one cost each; got {self.tokens}, {self.relative}")
+
+    def __call__(self, k: int) -> float:
+        t, c = self.tokens, self.relative
+        if len(t) == 1:
+            return c[0] * k
+        i = min(max(bisect.bisect_left(t, k), 1), len(t) - 1)  # interpolate between t[i - 1] and t[i]
+        return c[i - 1] + (c[i] - c[i - 1]) * (k - t[i - 1]) / (t[i] - t[i - 1])
+
+
+def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> int:
+    """How many drafts (0..limit) maximise expected tokens per unit of time.
+
+    `scores` are the drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
+    Keeping the n likeliest yields 1 + their summed probability tokens for `draft_cost + cost(n + 1)`.
+    """
+    probs = scores.float().exp().sort(descending=True).values[:limit]
+    expected = torch.cat([torch.ones(1), 1 + probs.cumsum(0).cpu()])
+    seconds = torch.tensor([draft_cost + cost(n + 1) for n in range(expected.shape[0])])
+    return int((expected / seconds).argmax())
+
+
+@dataclass(frozen=True)
 class DynamicTreeSpec:
-    """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts."""
+    """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts.
+
+    With a measured `cost`, each step keeps only as many drafts as pay for their verification, and drafts
+    only one level deeper than it kept last time: when acceptance collapses, the tree shrinks toward
+    plain decoding instead of costing more than it saves.
+    """
 
     depth: int = 5
     top_k: int = 4
     nodes: int = 15  # draft nodes, root excluded: a verification pass covers nodes + 1 tokens
+    cost: PassCost | None = None
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.nodes < 1:

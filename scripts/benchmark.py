@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import sys
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
+from inference.calibrate import load_or_measure  # noqa: E402
 
 METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
 
@@ -52,6 +54,8 @@ def build_methods(args, model, tokenizer):
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
     tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+    if "eagle" in heads and args.tree == "calibrated":  # each step keeps the drafts that pay on this machine
+        tree = replace(tree, cost=load_or_measure(model, heads["eagle"], tree, verbose=True))
 
     def ours(drafter, tree=None):
         def run(prompt):
@@ -157,7 +161,9 @@ def main(argv=None):
     parser.add_argument("--medusa", help="Medusa heads checkpoint directory")
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--nodes", type=int, default=15)
+    parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
+    parser.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated",
+                        help="calibrated: each step keeps the EAGLE drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes")
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--max-new-tokens", type=int, default=128)

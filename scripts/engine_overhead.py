@@ -28,17 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 
 from inference import NoDrafter, OracleDrafter, best_static_paths, chain_paths, generate, load_target  # noqa: E402
+from inference.calibrate import device_name  # noqa: E402
 from inference.tree import default_accuracy  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def methods(chains, trees):
@@ -137,7 +128,7 @@ def main(argv=None):
         "## Engine overhead: HF generate() vs our loop with an oracle drafter",
         "",
         f"Command: `python scripts/engine_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
-        f"Machine: {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"Machine: {device_name(torch.device('cpu'))} ({platform.machine()}, {os.cpu_count()} cores), {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"{len(questions)} prompts (first turns of {Path(args.questions).name}), {args.max_new_tokens} new tokens each.",
         "",
         "tau = new tokens per target forward (prefill included). engine ms/step = wall time outside the target's forward "

@@ -5,9 +5,11 @@ from hypothesis import strategies as st
 
 from inference.tree import (
     DynamicTreeSpec,
+    PassCost,
     Tree,
     TreeError,
     attention_mask,
+    best_node_count,
     best_static_paths,
     chain_paths,
     check_parents,
@@ -158,3 +160,24 @@ def test_select_best_nodes_is_ancestor_closed_even_with_ties():
 def test_dynamic_tree_spec_validates():
     with pytest.raises(TreeError):
         DynamicTreeSpec(depth=0)
+
+
+def test_pass_cost_interpolates_and_extrapolates():
+    cost = PassCost(tokens=(1, 4, 16), relative=(1.0, 1.3, 2.5))
+    assert cost(1) == 1.0 and cost(4) == pytest.approx(1.3) and cost(16) == pytest.approx(2.5)
+    assert cost(2) == pytest.approx(1.1) and cost(10) == pytest.approx(1.9)
+    assert cost(28) == pytest.approx(3.7)  # along the last slope
+    with pytest.raises(TreeError, match="ascending"):
+        PassCost(tokens=(2, 4), relative=(1.0, 1.2))
+
+
+def test_best_node_count_keeps_what_pays_for_itself():
+    confident = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]))
+    hopeless = torch.log(torch.tensor([0.02, 0.01, 0.01]))
+    flat = PassCost(tokens=(1, 64), relative=(1.0, 1.0))  # verifying more tokens is free: keep everything
+    steep = PassCost(tokens=(1, 2), relative=(1.0, 2.0))  # each token costs a full pass: keep nothing
+    assert best_node_count(confident, flat, 0.0, limit=4) == 4
+    assert best_node_count(confident, steep, 0.0, limit=5) == 0
+    gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))  # 0.05 a token: only likely drafts pay
+    assert best_node_count(confident, gentle, 0.1, limit=5) == 5
+    assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0

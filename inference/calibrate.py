@@ -1,0 +1,145 @@
+"""Measure, once per machine, what a verification pass over k tokens costs (and one level of drafting).
+
+    python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype bfloat16] [--refresh]
+
+The best tree depends on the hardware: here a bfloat16 pass over 16 tokens costs ~1.3x a one-token pass,
+a float32 one ~2x. The measurement takes a few seconds and is cached per (model, heads, dtype, device,
+threads, torch version) under ~/.cache/specheads/calibration/; `load_or_measure` reads it back, and the
+command line and the benchmark size EAGLE trees with it (DynamicTreeSpec(cost=...)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from heads import EagleHead, TargetFingerprint
+
+from .cache import new_cache
+from .drafters import EagleDrafter
+from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
+
+TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256,
+            token_counts=TOKEN_COUNTS, repeats: int = 7) -> tuple[PassCost, float]:
+    """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached.
+
+    Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions); its
+    entries are cropped from the cache again, so every measurement sees the same context.
+    """
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(vocab, (context + 1,), generator=generator).to(model.device)
+    cache = new_cache(model)  # holds `context` tokens; the last token is the root of every draft
+    prefill = model(input_ids=tokens[None, :context], past_key_values=cache, use_cache=True, output_hidden_states=head is not None)
+
+    def verify(k: int):
+        tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
+        model(input_ids=tree.tokens[None], past_key_values=cache, use_cache=True,
+              position_ids=position_ids(tree, context), attention_mask=attention_mask(tree, context, model.dtype))
+        cache.crop(-k)
+
+    seconds = [_median_seconds(lambda: verify(k), repeats) for k in token_counts]
+    draft_level = 0.0
+    if head is not None:
+        spec = replace(spec or DynamicTreeSpec(), cost=None)
+        drafter = EagleDrafter(head, model, spec)
+        drafter.observe({layer: prefill.hidden_states[layer][0] for layer in drafter.hidden_layers}, tokens[1:])
+        draft_level = _median_seconds(lambda: drafter.propose(tokens, spec.depth), repeats) / spec.depth / seconds[0]
+    cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level)
+    return cost, seconds[0]
+
+
+def cache_path(model, head: EagleHead | None, spec: DynamicTreeSpec | None) -> Path:
+    head_id = None
+    if head is not None:
+        head_id = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())).hexdigest()[:16]
+    parts = [TargetFingerprint.of(model).weights_sha256, str(model.dtype), device_name(model.device), torch.get_num_threads(),
+             torch.__version__, head_id, None if spec is None else (spec.depth, spec.top_k)]
+    return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
+
+
+def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False,
+                    verbose: bool = False) -> PassCost:
+    """The cached calibration for this model/head/dtype/machine, measured first when there is none."""
+    path = cache_path(model, head, spec)
+    if path.is_file() and not refresh:
+        saved = json.loads(path.read_text())
+        return PassCost(tuple(saved["tokens"]), tuple(saved["relative"]), saved["draft_level"])
+    if verbose:
+        print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}); cached in {path}", flush=True)
+    cost, one_pass = measure(model, head, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp{os.getpid()}")
+    staging.write_text(json.dumps({
+        "tokens": cost.tokens, "relative": cost.relative, "draft_level": cost.draft_level, "one_token_pass_ms": 1e3 * one_pass,
+        "device": device_name(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    }, indent=1))
+    os.replace(staging, path)
+    return cost
+
+
+def main(argv=None) -> None:
+    from heads import load_heads
+
+    from .target import load_target
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--heads", default=None, help="an EAGLE head checkpoint, to measure a draft level too")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
+    args = parser.parse_args(argv)
+    model, _ = load_target(args.model, dtype=args.dtype)
+    head = load_heads(args.heads, model) if args.heads else None
+    if head is not None and not isinstance(head, EagleHead):
+        parser.error(f"{args.heads} holds Medusa heads; calibration measures EAGLE draft levels (omit --heads for pass costs only)")
+    cost = load_or_measure(model, head, DynamicTreeSpec() if head is not None else None, refresh=args.refresh, verbose=True)
+    print(f"{'tokens':>6}  cost (x one-token pass)")
+    for k, c in zip(cost.tokens, cost.relative):
+        print(f"{k:>6}  {c:.2f}")
+    if head is not None:
+        print(f"one EAGLE draft level: {cost.draft_level:.3f} x a one-token pass")
+
+
+if __name__ == "__main__":
+    main()

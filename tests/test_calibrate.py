@@ -1,0 +1,41 @@
+"""Trees sized to the machine: the pass-cost calibration is measured once and cached, and a calibrated
+EAGLE tree stays exact while shrinking toward plain decoding when drafts do not pay."""
+
+import json
+
+import torch
+
+from conftest import hf_greedy, tiny_model
+from heads import EagleConfig, EagleHead
+from inference import DynamicTreeSpec, generate
+from inference import calibrate
+from inference.tree import PassCost
+
+
+def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path)
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    spec = DynamicTreeSpec(depth=3, top_k=2, nodes=6)
+    cost = calibrate.load_or_measure(model, head, spec)
+    assert cost.tokens[0] == 1 and cost.relative[0] == 1.0 and len(cost.tokens) == len(calibrate.TOKEN_COUNTS)
+    assert all(c > 0 for c in cost.relative) and cost.draft_level > 0
+    [saved] = tmp_path.glob("*.json")
+    assert json.loads(saved.read_text())["one_token_pass_ms"] > 0
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "relative": [1.0] + [9.0] * (len(cost.tokens) - 1)}))
+    assert calibrate.load_or_measure(model, head, spec).relative[1] == 9.0  # read back, not measured again
+    assert calibrate.load_or_measure(model, head, spec, refresh=True).relative[1] != 9.0
+
+
+def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()  # untrained: its drafts rarely hold
+    prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(3))
+    reference = hf_greedy(model, prompt, 24)
+    free = DynamicTreeSpec(depth=3, top_k=2, nodes=6, cost=PassCost((1, 64), (1.0, 1.0)))
+    costly = DynamicTreeSpec(depth=3, top_k=2, nodes=6, cost=PassCost((1, 2), (1.0, 3.0), draft_level=0.5))
+    wide, narrow = generate(model, head, prompt, max_new_tokens=24, tree=free), generate(model, head, prompt, max_new_tokens=24, tree=costly)
+    assert wide.token_ids == reference and narrow.token_ids == reference
+    steps = narrow.stats.target_forwards - 1  # the prefill is not a decode step
+    assert narrow.stats.tree_nodes == steps  # nothing but the root was ever verified
+    assert wide.stats.tree_nodes > 6 * (wide.stats.target_forwards - 1)  # free verification: (nearly) every draft kept
