@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import replace
 import sys
 import time
@@ -30,7 +31,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
-from inference.calibrate import load_or_measure  # noqa: E402
+from inference.calibrate import device_name, load_or_measure  # noqa: E402
 
 METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
 
@@ -74,6 +75,23 @@ def build_methods(args, model, tokenizer):
     return {name: table[name] for name in args.methods}
 
 
+@torch.inference_mode()
+def divergence(model, prompt, ours, baseline):
+    """Where `ours` first departs from the baseline, and by how much the target itself separates the two
+    tokens there: the gap between their logits, teacher-forced on the shared prefix in the model's dtype,
+    in units of that dtype's rounding step at the logits' magnitude. A near-tie is a gap of at most 2 steps:
+    a different (equally valid) order of floating-point additions can flip it."""
+    position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), min(len(ours), len(baseline)))
+    if position >= min(len(ours), len(baseline)):  # one stopped early: not a token-choice divergence
+        return {"position": position, "near_tie": False, "gap": None, "steps": None}
+    context = torch.cat([prompt, torch.tensor(baseline[:position], dtype=torch.long)])
+    logits = model(context[None].to(model.device)).logits[0, -1]
+    a, b = logits[ours[position]], logits[baseline[position]]
+    step = float(torch.finfo(logits.dtype).eps) * 2.0 ** float(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).float())))
+    gap = float((a - b).abs())
+    return {"position": position, "gap": gap, "steps": gap / step, "near_tie": gap <= 2 * step}
+
+
 def summarise(records, methods):
     """Per category and overall: tokens/s, speedup over hf, tau, identical share."""
     groups = defaultdict(list)
@@ -91,6 +109,7 @@ def summarise(records, methods):
                 "tokens_per_second": tokens / seconds if seconds else 0.0,
                 "tau": tokens / sum(forwards) if forwards else None,
                 "identical": sum(r["tokens"][m] == r["tokens"]["hf"] for r in rows) / len(rows) if "hf" in methods else None,
+                "divergences": [r["divergence"][m] for r in rows if m in r.get("divergence", {})],
                 "turns": len(rows),
             }
         if "hf" in methods:
@@ -116,6 +135,20 @@ def markdown(summary, methods, header):
             cells.append(cell)
         lines.append(f"| {category} ({summary[category][methods[0]]['turns']} turns) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def divergence_note(overall, methods) -> str:
+    lines = []
+    for m in methods:
+        found = overall[m]["divergences"]
+        if not found:
+            continue
+        ties = [d for d in found if d["near_tie"]]
+        worst = max((d["steps"] for d in found if d["steps"] is not None), default=None)
+        lines.append(f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
+                     + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else ""))
+    return ("\nDivergences (teacher-forced top-2 logit gap at the first differing token; a near-tie is <= 2 steps):\n\n"
+            + "\n".join(lines) + "\n") if lines else ""
 
 
 def chart(summary, methods, path):
@@ -188,14 +221,18 @@ def main(argv=None):
             record = {"question_id": q["question_id"], "category": q["category"], "turn": turn, "tokens": {}, "seconds": {}, "forwards": {}}
             for name, run in runners.items():
                 record["tokens"][name], record["seconds"][name], record["forwards"][name] = run(prompt)
+            if "hf" in runners:
+                record["divergence"] = {name: divergence(model, prompt, tokens, record["tokens"]["hf"])
+                                        for name, tokens in record["tokens"].items() if tokens != record["tokens"]["hf"]}
             records.append(record)
             first = record["tokens"][args.methods[0]]  # the baseline's answer is fed back to every method
             answers.append(tokenizer.decode(first, skip_special_tokens=True))
 
     summary = summarise(records, args.methods)
     header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+              f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
               f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {args.dtype}, greedy.")
-    table = markdown(summary, args.methods, header)
+    table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods)
     print("\n" + table)
     if args.out:
         out = Path(args.out)

@@ -22,3 +22,21 @@ def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_p
     assert summary["overall"]["hf"]["turns"] == 3 and summary["overall"]["lookup"]["tau"] >= 1.0
     assert [r["turn"] for r in report["records"]] == [0, 1, 0]
     assert out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
+
+
+def test_divergence_measures_the_targets_own_logit_gap():
+    import torch
+
+    from conftest import hf_greedy, tiny_model
+
+    model = tiny_model("llama")
+    prompt = torch.randint(4, 97, (10,), generator=torch.Generator().manual_seed(5))
+    baseline = hf_greedy(model, prompt, 8)
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, torch.tensor(baseline[:3])])[None]).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    found = benchmark.divergence(model, prompt, baseline[:3] + [runner_up] + baseline[4:], baseline)
+    assert found["position"] == 3
+    assert abs(found["gap"] - float(logits[baseline[3]] - logits[runner_up])) < 1e-5
+    assert found["near_tie"] is (found["steps"] <= 2) and found["steps"] > 2  # a random model's top-2 are far apart in fp32 steps
+    assert benchmark.divergence(model, prompt, baseline[:5], baseline)["near_tie"] is False  # stopped early: not a tie
