@@ -32,6 +32,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import device_name, load_or_measure  # noqa: E402
+from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 
 METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
 
@@ -75,21 +76,14 @@ def build_methods(args, model, tokenizer):
     return {name: table[name] for name in args.methods}
 
 
-@torch.inference_mode()
 def divergence(model, prompt, ours, baseline):
-    """Where `ours` first departs from the baseline, and by how much the target itself separates the two
-    tokens there: the gap between their logits, teacher-forced on the shared prefix in the model's dtype,
-    in units of that dtype's rounding step at the logits' magnitude. A near-tie is a gap of at most 2 steps:
-    a different (equally valid) order of floating-point additions can flip it."""
+    """Where `ours` first departs from the baseline, and whether the target itself has a near-tie there
+    (inference.numerics: teacher-forced on the shared prefix, both tokens top-2 within a few rounding steps)."""
     position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), min(len(ours), len(baseline)))
     if position >= min(len(ours), len(baseline)):  # one stopped early: not a token-choice divergence
-        return {"position": position, "near_tie": False, "gap": None, "steps": None}
-    context = torch.cat([prompt, torch.tensor(baseline[:position], dtype=torch.long)])
-    logits = model(context[None].to(model.device)).logits[0, -1]
-    a, b = logits[ours[position]], logits[baseline[position]]
-    step = float(torch.finfo(logits.dtype).eps) * 2.0 ** float(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).float())))
-    gap = float((a - b).abs())
-    return {"position": position, "gap": gap, "steps": gap / step, "near_tie": gap <= 2 * step}
+        return {"position": position, "near_tie": False, "steps": None}
+    tie, steps = near_tie(model, prompt.tolist() + baseline[:position], ours[position], baseline[position])
+    return {"position": position, "near_tie": tie, "steps": steps}
 
 
 def summarise(records, methods):
@@ -147,7 +141,7 @@ def divergence_note(overall, methods) -> str:
         worst = max((d["steps"] for d in found if d["steps"] is not None), default=None)
         lines.append(f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
                      + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else ""))
-    return ("\nDivergences (teacher-forced top-2 logit gap at the first differing token; a near-tie is <= 2 steps):\n\n"
+    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both top-2, <= {NEAR_TIE_STEPS} rounding steps):\n\n"
             + "\n".join(lines) + "\n") if lines else ""
 
 

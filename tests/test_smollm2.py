@@ -8,13 +8,13 @@ bf16 steps. The proof itself is tested to reject a divergence that is not a tie.
 """
 
 import json
-import math
 
 import pytest
 import torch
 
 from heads import MedusaConfig, MedusaHeads
 from inference import OracleDrafter, PromptLookupDrafter, best_static_paths, generate, load_target
+from inference import numerics
 from inference.tree import default_accuracy
 
 pytestmark = pytest.mark.slow
@@ -59,18 +59,8 @@ def test_float32_is_identical_to_hf_greedy(shared_dir):
     assert min(taus) > 3, "the oracle's whole paths should be accepted"
 
 
-def bf16_step(value: float) -> float:
-    """The spacing of bfloat16 numbers around `value` (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)
-
-
-def near_tie(model, context: list[int], ours: int, theirs: int, steps: float = 3) -> bool:
-    """True when a teacher-forced pass over `context` ranks both tokens top-2 within `steps` bf16 steps."""
-    with torch.no_grad():
-        logits = model(torch.tensor([context])).logits[0, -1].float()
-    top2 = set(logits.topk(2).indices.tolist())
-    gap = abs(float(logits[ours] - logits[theirs]))
-    return {ours, theirs} == top2 and gap <= steps * bf16_step(float(logits.max()))
+def near_tie(model, context, ours, theirs) -> bool:
+    return numerics.near_tie(model, context, ours, theirs)[0]
 
 
 def test_bfloat16_diverges_only_at_proven_near_ties(shared_dir):
