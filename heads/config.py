@@ -41,6 +41,8 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1
     draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
+    # accuracy[head][rank] measured on held-out data after training: the default tree is fitted to it
+    rank_accuracy: list[list[float]] | None = None
     kind: str = "medusa"
 
     def __post_init__(self):
@@ -49,6 +51,11 @@ class MedusaConfig:
         _check_draft_vocab(self)
         if self.num_heads < 1 or self.num_layers < 1:
             raise HeadConfigError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        if self.rank_accuracy is not None and (
+            len(self.rank_accuracy) != self.num_heads
+            or not all(row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy)
+        ):
+            raise HeadConfigError(f"rank_accuracy must hold one row of accuracies in [0, 1] per head ({self.num_heads}), got {self.rank_accuracy!r}")
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> "MedusaConfig":

@@ -93,9 +93,8 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, model, tree=None):
         _check_head_fits(heads.config, model, "these Medusa heads")
         k = heads.config.num_heads
-        self.tree = _as_static_tree(tree) if tree is not None else static_tree(
-            best_static_paths(15, default_accuracy(depth=k, ranks=4))
-        )
+        accuracy = heads.config.rank_accuracy or default_accuracy(depth=k, ranks=4)  # measured, when training saved it
+        self.tree = _as_static_tree(tree) if tree is not None else static_tree(best_static_paths(15, accuracy))
         if self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)

@@ -63,6 +63,9 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     model, tokenizer = load_target(tiny_chat / "model")
     heads = load_heads(tmp_path / "medusa", model)
     assert heads.config.num_heads == 3 and heads.draft_ids.shape == (24,)
+    accuracy = heads.config.rank_accuracy  # measured at the end, it shapes the default tree
+    assert len(accuracy) == 3 and all(len(row) == 4 for row in accuracy)
+    assert accuracy == [[round(result["history"][-1].get(f"eval/{m}/depth{d}", 0.0), 4) for m in ("top1", "rank2", "rank3", "rank4")] for d in (2, 3, 4)]
     assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
 
 

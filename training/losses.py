@@ -50,6 +50,8 @@ def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: 
         top = vocab.to_target(logits.topk(4, dim=-1).indices)
         metrics[f"top1/depth{k + 2}"] = (top[:, 0] == labels).float().mean().item()
         metrics[f"top4/depth{k + 2}"] = (top == labels[:, None]).any(-1).float().mean().item()
+        for rank in range(1, 4):  # how often the r-th candidate is the one: what shapes a Medusa tree
+            metrics[f"rank{rank + 1}/depth{k + 2}"] = (top[:, rank] == labels).float().mean().item()
     return total, metrics
 
 

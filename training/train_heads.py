@@ -236,6 +236,12 @@ def main(argv=None):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(heads)
+        if cfg.head["kind"] == "medusa" and history:  # the default tree is fitted to the measured accuracies
+            last = history[-1]
+            model.config.rank_accuracy = [
+                [round(last.get(f"eval/top1/depth{d}", 0.0), 4)] + [round(last.get(f"eval/rank{r}/depth{d}", 0.0), 4) for r in range(2, 5)]
+                for d in range(2, model.config.num_heads + 2)
+            ]
         training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
                     "sequences": len(train_set), "tokens": int(sum(sum(m) for m in train_set["loss_mask"]))}
         save_heads(model, output, target, training=training)
