@@ -10,6 +10,7 @@ The decode loop only ever calls three methods (transformers' candidate generator
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
@@ -112,6 +113,9 @@ class MedusaDrafter:
         return self.tree.fill(tokens[-1], candidates).truncate(max_depth)
 
 
+RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
+
+
 class EagleDrafter:
     """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
 
@@ -134,8 +138,21 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache, self.length, self.last = DynamicCache(), 0, None
         self.levels = self.spec.depth  # with a measured cost: how deep the next tree may grow
+        # How far the head's probabilities hold on this sequence: decayed sums of its top depth-1 draft's
+        # probability and of how often the target then chose that token (a prior of one right guess).
+        self.guess, self.expected, self.realised = None, 1.0, 1.0
+
+    @property
+    def reliability(self) -> float:
+        """Observed over predicted acceptance of the head's best depth-1 draft, at most 1."""
+        return min(1.0, self.realised / self.expected)
 
     def observe(self, hidden, next_tokens) -> None:
+        if self.guess is not None:  # next_tokens[0] is what the target chose at the root
+            token, probability = self.guess
+            self.expected = RELIABILITY_DECAY * self.expected + probability
+            self.realised = RELIABILITY_DECAY * self.realised + float(int(next_tokens[0]) == token)
+            self.guess = None
         feature = torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)  # fused inside the head
         k = next_tokens.shape[0]
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
@@ -186,38 +203,55 @@ class EagleDrafter:
             frontier, frontier_features = children[best], out[best // k]
         self.cache.crop(-sum(f.shape[0] for f in fed))
 
+        self.guess = (int(node_tokens[1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
         nodes = self.spec.nodes
         if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
             cost = self.spec.cost
-            nodes = best_node_count(scores[1:count], cost, depth_limit * cost.draft_level, self.spec.nodes)
+            believed = scores[1:count] + math.log(max(self.reliability, 1e-6))  # an overconfident head is discounted
+            nodes = best_node_count(believed, cost, depth_limit * cost.draft_level, self.spec.nodes)
         keep = select_best_nodes(scores[:count], depth[:count], nodes)
-        if self.spec.cost is not None:
+        if self.spec.cost is not None and max_depth >= self.levels:  # not when a caller capped this step's depth
             self.levels = min(self.spec.depth, int(depth[keep].max()) + 1)
         return subtree(node_tokens, parents, depth, ancestors, keep)
 
 
 class PromptLookupDrafter(TokenDrafter):
-    """Copy what followed the latest earlier occurrence of the last n tokens (longest n first)."""
+    """Copy what followed the latest earlier occurrence of the last n tokens (longest n first).
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10):
-        if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
-            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, {max_ngram}, {num_tokens}")
-        self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
+    After `propose`, `trusted` says whether the span came from a match of at least `trusted_ngram` tokens:
+    such spans are right often enough that a merged head need not draft deep beside them (MergedDrafter).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, trusted_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram or num_tokens < 1 or trusted_ngram < 1:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min_ngram <= max_ngram, num_tokens >= 1 and trusted_ngram >= 1, "
+                f"got {min_ngram}, {max_ngram}, {num_tokens}, {trusted_ngram}"
+            )
+        self.max_ngram, self.min_ngram, self.num_tokens, self.trusted_ngram = max_ngram, min_ngram, num_tokens, trusted_ngram
+        self.trusted = False
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         length = tokens.shape[0]
+        self.trusted = False
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             windows = tokens[: length - 1].unfold(0, n, 1)  # every n-gram with at least one token after it
             starts = (windows == tokens[length - n :]).all(dim=-1).nonzero()
             if starts.shape[0]:
                 begin = int(starts[-1]) + n
                 span = tokens[begin : begin + min(self.num_tokens, max_depth)]
+                self.trusted = n >= self.trusted_ngram and span.shape[0] > 0
                 return Tree.chain(torch.cat([tokens[-1:], span]))
         return root_only(tokens)
 
 
 class MergedDrafter:
-    """Several drafters' trees merged into ONE tree, verified in the same target pass."""
+    """Several drafters' trees merged into ONE tree, verified in the same target pass.
+
+    Drafters that read only tokens propose first. When one of them is `trusted` (prompt lookup matched a
+    long enough n-gram), the drafters with heads draft one level only: their depth-1 candidates cost a
+    projection, deeper levels cost head passes, and beside a trusted span they rarely win a token.
+    """
 
     def __init__(self, drafters: Sequence[Drafter]):
         if not drafters:
@@ -234,9 +268,13 @@ class MergedDrafter:
             drafter.observe(hidden, next_tokens)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        tree = self.drafters[0].propose(tokens, max_depth)
-        for drafter in self.drafters[1:]:
-            tree = merge_trees(tree, drafter.propose(tokens, max_depth))
+        token_only = [d for d in self.drafters if isinstance(d, TokenDrafter)]
+        spans = [d.propose(tokens, max_depth) for d in token_only]
+        head_depth = min(1, max_depth) if any(getattr(d, "trusted", False) for d in token_only) else max_depth
+        trees = [d.propose(tokens, head_depth) for d in self.drafters if not isinstance(d, TokenDrafter)] + spans
+        tree = trees[0]
+        for other in trees[1:]:
+            tree = merge_trees(tree, other)
         return tree
 
 

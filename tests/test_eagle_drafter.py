@@ -64,3 +64,52 @@ def test_eagle_drafter_state_and_trees_match_a_recomputation():
         generate(model, drafter, prompt, max_new_tokens=12)
         assert drafter.checked_nodes > 30
         assert drafter.cache.get_seq_length() == drafter.length  # draft entries never outlive a step
+
+
+def _observed_drafters(model, head, prompt, trusted_ngram):
+    """An EAGLE drafter and prompt lookup merged, having observed `prompt` as generate() would after its prefill."""
+    from inference import MergedDrafter, PromptLookupDrafter
+
+    eagle = EagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=2, nodes=8))
+    lookup = PromptLookupDrafter(trusted_ngram=trusted_ngram)
+    merged = MergedDrafter([eagle, lookup])
+    merged.reset()
+    with torch.no_grad():
+        hidden = model(prompt[None], output_hidden_states=True).hidden_states
+    merged.observe({-1: hidden[-1][0]}, torch.cat([prompt[1:], prompt[:1]]))
+    return merged, lookup
+
+
+def test_a_trusted_lookup_span_keeps_the_head_at_depth_one():
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" occurred before: lookup copies "8 9 5 6 7" (a 3-gram match)
+    for trusted_ngram, head_limited in ((3, True), (4, False)):
+        merged, lookup = _observed_drafters(model, head, tokens[:-1], trusted_ngram)
+        with torch.no_grad():
+            tree = merged.propose(tokens, max_depth=8)
+        assert lookup.trusted == head_limited
+        chain = torch.tensor([7, 8, 9, 5, 6, 7])
+        on_chain = torch.zeros(tree.size, dtype=torch.bool)
+        for node in range(tree.size):  # a node is on the copied span when its path spells the span's prefix
+            path = tree.tokens[tree.ancestors[node].nonzero().flatten()]
+            on_chain[node] = bool(torch.equal(path, chain[: path.shape[0]]))
+        assert int(on_chain.sum()) == chain.shape[0]  # the whole span is in the merged tree
+        head_depth = int(tree.depth[~on_chain].max())
+        assert (head_depth == 1) if head_limited else (head_depth > 1)
+
+
+def test_an_overconfident_head_is_discounted():
+    """The drafter measures how often its best depth-1 draft holds against what it predicted."""
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    with torch.no_grad():
+        head.fc.weight.mul_(50.0)  # sharp, confident and (untrained) wrong distributions
+    drafter = EagleDrafter(head, model, DynamicTreeSpec(depth=3, top_k=2, nodes=6))
+    prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(3))
+    generate(model, drafter, prompt, max_new_tokens=24)
+    assert drafter.reliability < 0.5
+    drafter.reset()
+    assert drafter.reliability == 1.0
