@@ -78,7 +78,7 @@ def build_methods(args, model, tokenizer):
 
 def divergence(model, prompt, ours, baseline):
     """Where `ours` first departs from the baseline, and whether the target itself has a near-tie there
-    (inference.numerics: teacher-forced on the shared prefix, both tokens top-2 within a few rounding steps)."""
+    (inference.numerics: teacher-forced on the shared prefix, both tokens within a few rounding steps of the top)."""
     position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), min(len(ours), len(baseline)))
     if position >= min(len(ours), len(baseline)):  # one stopped early: not a token-choice divergence
         return {"position": position, "near_tie": False, "steps": None}
@@ -141,7 +141,7 @@ def divergence_note(overall, methods) -> str:
         worst = max((d["steps"] for d in found if d["steps"] is not None), default=None)
         lines.append(f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
                      + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else ""))
-    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both top-2, <= {NEAR_TIE_STEPS} rounding steps):\n\n"
+    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within {NEAR_TIE_STEPS} rounding steps of the top logit):\n\n"
             + "\n".join(lines) + "\n") if lines else ""
 
 

@@ -66,7 +66,7 @@ def main(argv=None):
         at = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), min(len(out.token_ids), len(reference)))
         if at < min(len(out.token_ids), len(reference)):
             tie, steps = near_tie(model, prompt["input_ids"] + reference[:at], out.token_ids[at], reference[at])
-            print(f"first difference at token {at}: the target's own top-2 logits there are {steps:.1f} {args.dtype} rounding steps apart"
+            print(f"first difference at token {at}: both tokens are within {steps:.1f} {args.dtype} rounding steps of the target's top logit there"
                   f" ({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})")
 
 
