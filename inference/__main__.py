@@ -16,19 +16,19 @@ from heads import load_heads
 
 from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
 from .calibrate import load_or_measure
-from .tree import best_static_paths, default_accuracy
+from .drafters import medusa_paths
 
 
 def parse_tree(text: str | None, heads, model):
-    """'depth,top_k,nodes' for an EAGLE head (default: calibrated to this machine); 'N' (nodes) for Medusa."""
+    """'depth,top_k,nodes' for an EAGLE head, 'N' (nodes) for Medusa; by default sized to this machine."""
     if heads is None:
         return None
     eagle = getattr(heads.config, "kind", "") == "eagle"
-    if eagle and text in (None, "auto"):  # sized per step from this machine's measured pass costs
-        spec = DynamicTreeSpec()
-        return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
-    if text is None:
-        return None
+    if text in (None, "auto"):  # from this machine's measured pass costs: per step for EAGLE, once for Medusa
+        if eagle:
+            spec = DynamicTreeSpec()
+            return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
+        return medusa_paths(heads, cost=load_or_measure(model, verbose=True))
     numbers = [int(x) for x in text.split(",")]
     if eagle:
         if len(numbers) != 3:
@@ -36,7 +36,7 @@ def parse_tree(text: str | None, heads, model):
         return DynamicTreeSpec(*numbers)
     if len(numbers) != 1:
         raise SystemExit("--tree for Medusa heads is the number of draft nodes (e.g. 15)")
-    return best_static_paths(numbers[0], default_accuracy(depth=heads.config.num_heads, ranks=4))
+    return medusa_paths(heads, nodes=numbers[0])
 
 
 def main(argv=None):
@@ -46,7 +46,7 @@ def main(argv=None):
     parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
     parser.add_argument("--lookup", action="store_true", help="merge prompt-lookup drafts into the tree")
-    parser.add_argument("--tree", default=None, help="EAGLE: auto (default: sized to this machine, see inference.calibrate) or depth,top_k,nodes; Medusa: nodes")
+    parser.add_argument("--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)

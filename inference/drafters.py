@@ -20,6 +20,7 @@ from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads
 
 from .tree import (
     DynamicTreeSpec,
+    PassCost,
     StaticTree,
     Tree,
     TreeError,
@@ -29,6 +30,7 @@ from .tree import (
     default_accuracy,
     merge_trees,
     select_best_nodes,
+    sized_static_paths,
     static_tree,
     subtree,
 )
@@ -86,17 +88,30 @@ def _as_static_tree(tree) -> StaticTree:
     raise TreeError(f"expected a static tree (a list of paths such as [(0,), (0, 0), (1,)]), got {tree!r}")
 
 
+def medusa_paths(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> list[tuple[int, ...]]:
+    """The `nodes` likeliest paths by the heads' per-rank accuracies (measured at the end of training, or a
+    prior); with a measured `cost`, only as many of them as pay for their verification on this machine
+    (possibly none: then the drafter decodes plainly)."""
+    accuracy = heads.config.rank_accuracy or default_accuracy(depth=heads.config.num_heads, ranks=4)
+    return sized_static_paths(accuracy, cost, nodes) if cost is not None else best_static_paths(nodes, accuracy)
+
+
 class MedusaDrafter:
-    """Head d proposes its top candidates for depth d; a static tree picks which ranks to verify."""
+    """Head d proposes its top candidates for depth d; a static tree picks which ranks to verify.
+
+    An empty tree (`[]`, what `medusa_paths` gives where no draft pays for its verification) verifies the
+    root alone: plain decoding.
+    """
 
     hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, model, tree=None):
         _check_head_fits(heads.config, model, "these Medusa heads")
         k = heads.config.num_heads
-        accuracy = heads.config.rank_accuracy or default_accuracy(depth=k, ranks=4)  # measured, when training saved it
-        self.tree = _as_static_tree(tree) if tree is not None else static_tree(best_static_paths(15, accuracy))
-        if self.tree.max_depth > k:
+        if tree is None:
+            tree = medusa_paths(heads)
+        self.tree = None if isinstance(tree, (list, tuple)) and not tree else _as_static_tree(tree)
+        if self.tree is not None and self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         self.hidden = None
@@ -108,6 +123,8 @@ class MedusaDrafter:
         self.hidden = hidden[-1][-1]  # the state that produced the root
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        if self.tree is None:
+            return root_only(tokens)
         logits = self.vocab.logits(self.heads(self.hidden)[: self.tree.max_depth])  # [depth, N], one projection
         candidates = self.vocab.to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices)
         return self.tree.fill(tokens[-1], candidates).truncate(max_depth)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -254,6 +255,15 @@ def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, lim
     expected = torch.cat([torch.ones(1), 1 + probs.cumsum(0).cpu()])
     seconds = torch.tensor([draft_cost + cost(n + 1) for n in range(expected.shape[0])])
     return int((expected / seconds).argmax())
+
+
+def sized_static_paths(accuracy: Sequence[Sequence[float]], cost: PassCost, max_nodes: int = 15) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree sized to the machine: of the `max_nodes` likeliest paths, the first n that
+    maximise expected tokens per unit of time, (1 + their summed probability) / cost(n + 1). n may be 0:
+    where no draft pays for its verification, plain decoding is fastest."""
+    paths = best_static_paths(max_nodes, accuracy)
+    probability = torch.tensor([math.prod(accuracy[d][r] for d, r in enumerate(path)) for path in paths])
+    return paths[: best_node_count(probability.log(), cost, 0.0, len(paths))]
 
 
 @dataclass(frozen=True)

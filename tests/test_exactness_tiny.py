@@ -52,6 +52,7 @@ def drafters_for(model, prompt, reference):
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
     return {
         "medusa-static": (medusa, [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]),
+        "medusa-no-draft-pays": (medusa, []),  # sized_static_paths' answer on a machine where nothing pays
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
         "prompt-lookup": (PromptLookupDrafter(max_ngram=2), None),

@@ -181,3 +181,19 @@ def test_best_node_count_keeps_what_pays_for_itself():
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))  # 0.05 a token: only likely drafts pay
     assert best_node_count(confident, gentle, 0.1, limit=5) == 5
     assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0
+
+
+def test_sized_static_paths_keep_only_what_pays():
+    from inference.tree import PassCost, sized_static_paths
+
+    accuracy = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    best = best_static_paths(12, accuracy)
+    free = PassCost((1, 64), (1.0, 1.0))
+    assert sized_static_paths(accuracy, free, 12) == best  # verification is free: every path pays
+    steep = PassCost((1, 2, 64), (1.0, 2.0, 64.0))
+    assert sized_static_paths(accuracy, steep, 12) == []  # a second token doubles the pass: plain decoding is faster
+    assert sized_static_paths(accuracy, PassCost((1, 2, 64), (1.0, 1.5, 64.0)), 12) == best[:1]  # 1.6 tokens for 1.5 passes
+    moderate = PassCost((1, 64), (1.0, 1.0 + 63 * 0.1))  # every verified token adds a tenth of a pass
+    sized = sized_static_paths(accuracy, moderate, 12)
+    assert sized == best[: len(sized)] and 1 < len(sized) < 12
+    static_tree(sized)  # prefix-closed, so a valid tree
