@@ -275,6 +275,8 @@ class MergedDrafter:
             raise ValueError("MergedDrafter needs at least one drafter")
         self.drafters = list(drafters)
         self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
+        self.token_drafters = [d for d in self.drafters if isinstance(d, TokenDrafter)]
+        self.head_drafters = [d for d in self.drafters if not isinstance(d, TokenDrafter)]
 
     def reset(self) -> None:
         for drafter in self.drafters:
@@ -285,10 +287,9 @@ class MergedDrafter:
             drafter.observe(hidden, next_tokens)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        token_only = [d for d in self.drafters if isinstance(d, TokenDrafter)]
-        spans = [d.propose(tokens, max_depth) for d in token_only]
-        head_depth = min(1, max_depth) if any(getattr(d, "trusted", False) for d in token_only) else max_depth
-        trees = [d.propose(tokens, head_depth) for d in self.drafters if not isinstance(d, TokenDrafter)] + spans
+        spans = [d.propose(tokens, max_depth) for d in self.token_drafters]
+        head_depth = min(1, max_depth) if any(getattr(d, "trusted", False) for d in self.token_drafters) else max_depth
+        trees = [d.propose(tokens, head_depth) for d in self.head_drafters] + spans
         tree = trees[0]
         for other in trees[1:]:
             tree = merge_trees(tree, other)
