@@ -57,12 +57,12 @@ def build_methods(args, model, tokenizer):
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
     tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
-    medusa_tree = medusa_paths(heads["medusa"], nodes=args.nodes) if "medusa" in heads else None
-    if args.tree == "calibrated":  # EAGLE: each step keeps the drafts that pay on this machine; Medusa: once
-        if "eagle" in heads:
-            tree = replace(tree, cost=load_or_measure(model, heads["eagle"], tree, verbose=True))
-        if "medusa" in heads:
-            medusa_tree = medusa_paths(heads["medusa"], nodes=args.nodes, cost=load_or_measure(model, verbose=True))
+    calibrated = args.tree == "calibrated"  # EAGLE: each step keeps the drafts that pay on this machine; Medusa: once
+    if "eagle" in heads and calibrated:
+        tree = replace(tree, cost=load_or_measure(model, heads["eagle"], tree, verbose=True))
+    medusa_tree = None
+    if "medusa" in heads:
+        medusa_tree = medusa_paths(heads["medusa"], nodes=args.nodes, cost=load_or_measure(model, verbose=True) if calibrated else None)
 
     def ours(drafter, tree=None):
         def run(prompt):
