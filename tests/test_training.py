@@ -37,6 +37,28 @@ def mean_tau(model, tokenizer, head, prompts):
     return sum(taus) / len(taus)
 
 
+def test_data_scores_on_the_targets_own_answers_and_keeps_sources_apart(tiny_chat, tmp_path):
+    from training.config import DataConfig
+    from training.data import build_datasets, prompt_ids
+
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), eval_prompts=4, self_distill=8, dataset_responses=8,
+                      distill_max_new_tokens=8, distill_batch_size=4, cache_dir=str(tmp_path))
+    train_set, eval_set = build_datasets(data, tokenizer, model, "tiny", seed=0)
+    records = [json.loads(line) for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()]
+    # held out: the first prompts, answered by the target itself (its greedy continuation), not the dataset
+    for record, row in zip(records[:4], eval_set):
+        prompt = prompt_ids(tokenizer, [{"role": "user", "content": record["prompt"]}])
+        assert row["input_ids"][: len(prompt)] == prompt
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
+        answer = greedy[: greedy.index(2) + 1] if 2 in greedy else greedy
+        assert row["input_ids"][len(prompt):] == answer
+    # training: 8 self-distilled + 8 dataset answers, to 16 different prompts, none of them held out
+    prompts = [tuple(row["input_ids"][: row["loss_mask"].index(1)]) for row in train_set]
+    held_out = {tuple(prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])) for r in records[:4]}
+    assert len(train_set) == 16 and len(set(prompts)) == 16 and not held_out & set(prompts)
+
+
 def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     result = train(recipe(tiny_chat, tmp_path / "eagle", eagle_unroll=2))
     first, last = result["history"][0], result["history"][-1]
@@ -77,7 +99,9 @@ def run_script(args, env_extra=None, **kwargs):
 def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--main_process_port", "29533", "training/train_heads.py"]
-    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3, target_dtype="bfloat16", eagle_unroll=2, **{"head.draft_vocab_size": 16}), {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3, target_dtype="bfloat16", eagle_unroll=2,
+                                      **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"}),  # EAGLE-3: fused layers, unrolled
+                     {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
     digests = dict(line.split(": weights sha256 ") for line in output.splitlines() if "weights sha256" in line)

@@ -92,18 +92,24 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     random.Random(seed).shuffle(order)
 
     train = []
-    with_response = [i for i in order if rest[i][1]][: data.dataset_responses]
+    # the dataset's answers come from prompts the target does not answer itself: more variety per token
+    with_response = [i for i in order[data.self_distill :] if rest[i][1]][: data.dataset_responses]
     for i in sorted(with_response):
         messages, response = rest[i]
         train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
+    # self-distilled shards are keyed on what shapes the generated text only, not the count: raising
+    # data.self_distill (or changing how the rest of the data is used) reuses the shards already written
+    settings = [getattr(data, k) for k in DISTILL_SETTINGS]
     if data.self_distill:
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
-        # keyed on what shapes the generated text only, not the count: raising data.self_distill (or
-        # changing how the rest of the data is used) reuses the shards already written
-        settings = [getattr(data, k) for k in DISTILL_SETTINGS]
         written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed)}", is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
-    evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
+        # the heads will draft the target's own text: score them on its answers to the held-out prompts
+        asked = [prompt_ids(tokenizer, m) for m, _ in held_out]
+        answers = self_distill(target, tokenizer, asked, data, root.parent / f"distill-eval-{cache_key(fingerprint, settings, stamp)}", is_main)
+        evaluation = [example(p, r, data.max_length) for p, r in zip(asked, answers)]
+    else:
+        evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
     if not train:
         raise ConfigError(f"no training sequences: {data.path} has no {data.response_field!r} responses and data.self_distill is 0")
     random.Random(seed).shuffle(train)

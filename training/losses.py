@@ -94,8 +94,9 @@ def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, 
             top = vocab.to_target(logits.topk(4, dim=-1).indices)
             metrics[f"top1/depth{step}"] = (top[:, 0] == wanted).float().mean().item()
             metrics[f"top4/depth{step}"] = (top == wanted[:, None]).any(-1).float().mean().item()
-        # the next step sees this step's prediction for position t - 1 as its feature at t
-        inputs = torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1)
+        # the next step sees this step's prediction for position t - 1 as its feature at t; position 0
+        # has no draft path that deep (never in the loss), so any hidden-sized filler will do
+        inputs = torch.cat([predicted[:, :1], predicted[:, :-1]], dim=1)
     return total, metrics
 
 
