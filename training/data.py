@@ -97,10 +97,10 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     for i in sorted(with_response):
         messages, response = rest[i]
         train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
-    # self-distilled shards are keyed on what shapes the generated text only, not the count: raising
-    # data.self_distill (or changing how the rest of the data is used) reuses the shards already written
-    settings = [getattr(data, k) for k in DISTILL_SETTINGS]
     if data.self_distill:
+        # shards are keyed on what shapes the generated text only, not the count: raising
+        # data.self_distill (or changing how the rest of the data is used) reuses the shards already written
+        settings = [getattr(data, k) for k in DISTILL_SETTINGS]
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
         written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed)}", is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
