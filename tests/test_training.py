@@ -57,6 +57,11 @@ def test_data_scores_on_the_targets_own_answers_and_keeps_sources_apart(tiny_cha
     prompts = [tuple(row["input_ids"][: row["loss_mask"].index(1)]) for row in train_set]
     held_out = {tuple(prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])) for r in records[:4]}
     assert len(train_set) == 16 and len(set(prompts)) == 16 and not held_out & set(prompts)
+    # the caches are keyed on the file's content: a new modification time (a fresh copy) reuses them
+    written = sorted(tmp_path.iterdir())
+    os.utime(tiny_chat / "prompts.jsonl", ns=(10**18, 10**18))
+    build_datasets(data, tokenizer, model, "tiny", seed=0)
+    assert sorted(tmp_path.iterdir()) == written
 
 
 def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
@@ -91,6 +96,22 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
 
 
+def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path):
+    common = dict(max_steps=8, eval_every=8, save_every=8, eagle_unroll=2, **{"head.feature_layers": "[1,-1]"})
+    train(recipe(tiny_chat, tmp_path / "live", **common))
+    train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **common))
+    shards = sorted((tiny_chat / "cache").glob("features-*/shard-*.safetensors"))
+    assert shards, "no feature shards written"
+    model, _ = load_target(tiny_chat / "model")
+    live, cached = load_heads(tmp_path / "live", model), load_heads(tmp_path / "cached", model)
+    for (name, a), b in zip(live.named_parameters(), cached.parameters()):
+        # the same features up to how the target's batches were padded (float32 sums in another order)
+        assert torch.allclose(a, b, atol=1e-4), name
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    train(recipe(tiny_chat, tmp_path / "again", cache_features="true", **common))  # a rerun reuses the shards
+    assert [p.stat().st_mtime_ns for p in shards] == stamps
+
+
 def run_script(args, env_extra=None, **kwargs):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env_extra or {})}
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
@@ -122,6 +143,8 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     proc.wait()
     assert checkpoint.exists(), "the run never wrote its first checkpoint"
     assert not (tmp_path / "killed" / "model.safetensors").exists(), "the run finished before it was killed"
+    with pytest.raises(SystemExit):  # starting afresh over the killed run's checkpoints is refused
+        train(recipe(tiny_chat, tmp_path / "killed", **common))
     resumed = train(recipe(tiny_chat, tmp_path / "killed", **common) + ["--resume"])
     assert resumed["history"][0]["step"] > 10 or resumed["steps"] == 30
     assert resumed["weights_sha256"] == reference["weights_sha256"]

@@ -78,6 +78,7 @@ class TrainConfig:
     warmup_steps: int = 50
     lr_schedule: str = "cosine"  # cosine | linear | constant
     max_grad_norm: float = 1.0
+    cache_features: bool = False  # compute the target's hidden states once, on disk (training/features.py), not every step
     mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it)
     eval_every: int = 200
     save_every: int = 200
@@ -104,6 +105,8 @@ class TrainConfig:
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
+        if not isinstance(self.cache_features, bool):
+            raise ConfigError(f"cache_features must be true or false, got {self.cache_features!r}")
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "eagle_unroll"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -77,7 +77,8 @@ def cache_key(*parts) -> str:
 def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: int, is_main: bool = True) -> tuple[Dataset, Dataset]:
     """(train, eval) tokenized datasets, cached on disk under data.cache_dir."""
     source = Path(data.path)
-    stamp = (source.stat().st_size, source.stat().st_mtime_ns) if source.is_file() else None
+    # the file's content, not its modification time: a copied or re-checked-out file keeps its cache
+    stamp = hashlib.sha256(source.read_bytes()).hexdigest() if source.is_file() else None
     key = cache_key(fingerprint, data.__dict__, stamp, seed, getattr(tokenizer, "name_or_path", ""))
     root = Path(data.cache_dir) / f"data-{key}"
     if (root / "train").is_dir() and (root / "eval").is_dir():

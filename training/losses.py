@@ -16,11 +16,12 @@ from heads import DraftVocabulary
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """The frozen target's hidden states at `layers` (plus -1, the normalised last one), as float32."""
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...], dtype=torch.float32) -> dict[int, torch.Tensor]:
+    """The frozen target's hidden states at `layers` (plus -1, the normalised last one), as `dtype`
+    (None: the target's own)."""
     # the base model (no vocabulary projection over every position): its last hidden state is normalised
     out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    return {layer: out.hidden_states[layer].float() for layer in set(layers) | {-1}}
+    return {layer: out.hidden_states[layer].to(dtype or out.hidden_states[layer].dtype) for layer in set(layers) | {-1}}
 
 
 def sample_positions(mask: torch.Tensor, max_tokens: int) -> torch.Tensor:

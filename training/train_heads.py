@@ -35,6 +35,7 @@ from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets
+from training.features import WithFeatures, cache_features, features_key
 from training.losses import eagle_loss, medusa_loss, target_features
 
 
@@ -65,14 +66,23 @@ def collate(pad_id: int):
             ids[row, :n] = torch.tensor(x["input_ids"])
             loss_mask[row, :n] = torch.tensor(x["loss_mask"])
             attention[row, :n] = 1
-        return {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+        out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+        if "features" in batch[0]:  # cached hidden states (training/features.py), padded like the rows
+            out["features"] = {
+                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True)
+                for layer in batch[0]["features"]
+            }
+        return out
 
     return pad
 
 
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
     """`heads` may be wrapped (DDP, DeepSpeed): it is only ever called, so gradients are synchronised."""
-    features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
+    if "features" in batch:
+        features = {layer: f.float() for layer, f in batch["features"].items()}
+    else:
+        features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
     lm_head = target.get_output_embeddings()
     vocab = DraftVocabulary(lm_head, draft_ids)
     if cfg.head["kind"] == "medusa":
@@ -125,7 +135,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a recipe in configs/*.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    parser.add_argument("--prepare-data", action="store_true", help="only build (and cache) the training data, then exit")
+    parser.add_argument("--prepare-data", action="store_true", help="only build (and cache) the training data (and features, with cache_features), then exit")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -145,6 +155,9 @@ def main(argv=None):
     set_seed(cfg.seed)
     output = Path(cfg.output_dir)
     checkpoints = Path(cfg.state_dir or f"{cfg.output_dir}.train-state")
+    if not args.resume and not args.prepare_data and latest_checkpoint(checkpoints) is not None:
+        # a fresh run would mix its checkpoints with the earlier run's (and prune the wrong ones)
+        parser.error(f"{checkpoints} holds checkpoints of an earlier run: pass --resume to continue it, or move it away to start afresh")
 
     target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
     target.requires_grad_(False)
@@ -156,13 +169,21 @@ def main(argv=None):
     except HeadConfigError as error:
         parser.error(str(error))
     accelerator.print(f"data: {len(train_set)} training sequences ({sum(map(sum, train_set['loss_mask']))} loss tokens), {len(eval_set)} held out")
+    layers = tuple(getattr(config, "feature_layers", (-1,)))
+    rows = train_set
+    if cfg.cache_features:
+        started = time.perf_counter()
+        directory = Path(cfg.data.cache_dir) / f"features-{features_key(fingerprint.weights_sha256, rows, layers, target.dtype)}"
+        with accelerator.main_process_first():
+            store = cache_features(target, rows, layers, directory, cfg.batch_size, accelerator.is_main_process)
+        train_set = WithFeatures(rows, store)
+        accelerator.print(f"features: {sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
         return {"steps": 0, "history": [], "output": None, "weights_sha256": None}
     heads = build_heads(config)
-    layers = tuple(getattr(heads.config, "feature_layers", (-1,)))
     if heads.draft_ids is not None:  # the draft vocabulary: the most frequent tokens of the training answers
         ids, covered, total = most_frequent_tokens(
-            ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in train_set), config.draft_vocab_size, config.vocab_size
+            ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in rows), config.draft_vocab_size, config.vocab_size
         )
         heads.draft_ids.copy_(ids)
         accelerator.print(f"draft vocabulary: {len(ids)} tokens cover {covered / max(total, 1):.1%} of the training answers' tokens")
@@ -243,7 +264,7 @@ def main(argv=None):
                 for d in range(2, model.config.num_heads + 2)
             ]
         training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
-                    "sequences": len(train_set), "tokens": int(sum(sum(m) for m in train_set["loss_mask"]))}
+                    "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"]))}
         save_heads(model, output, target, training=training)
         accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
     # every rank reports its weights: data-parallel ranks must end identical
