@@ -70,6 +70,30 @@ def response_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
+def collate(pad_id: int):
+    """A DataLoader collate_fn: rows right-padded to the longest, with attention and loss masks (and cached
+    features, when the rows carry them)."""
+    def pad(batch):
+        width = max(len(x["input_ids"]) for x in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, x in enumerate(batch):
+            n = len(x["input_ids"])
+            ids[row, :n] = torch.tensor(x["input_ids"])
+            loss_mask[row, :n] = torch.tensor(x["loss_mask"])
+            attention[row, :n] = 1
+        out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+        if "features" in batch[0]:  # cached hidden states (training/features.py), padded like the rows
+            out["features"] = {
+                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True)
+                for layer in batch[0]["features"]
+            }
+        return out
+
+    return pad
+
+
 def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

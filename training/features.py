@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from .data import collate
 from .losses import target_features
 
 SHARD_SEQUENCES = 256
@@ -70,6 +71,7 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
     lengths = [len(ids) for ids in rows["input_ids"]]
     starts = range(0, len(lengths), SHARD_SEQUENCES)
     device = next(target.parameters()).device
+    pad = collate(pad_id=0)  # padded positions are masked out and never kept
     shards = []
     for number, start in enumerate(tqdm(starts, desc="caching features", disable=not is_main)):
         path = directory / f"shard-{number:05d}.safetensors"
@@ -79,13 +81,8 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
             by_length = sorted(range(len(indices)), key=lambda j: lengths[indices[j]])  # little padding per batch
             for b in range(0, len(by_length), batch_size):
                 chosen = by_length[b : b + batch_size]
-                width = max(lengths[indices[j]] for j in chosen)
-                input_ids = torch.zeros(len(chosen), width, dtype=torch.long)
-                attention = torch.zeros(len(chosen), width, dtype=torch.long)
-                for r, j in enumerate(chosen):
-                    ids = rows[indices[j]]["input_ids"]
-                    input_ids[r, : len(ids)], attention[r, : len(ids)] = torch.tensor(ids), 1
-                hidden = target_features(target, input_ids.to(device), attention.to(device), tuple(kept), dtype=None)
+                batch = pad([rows[indices[j]] for j in chosen])
+                hidden = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device), tuple(kept), dtype=None)
                 for r, j in enumerate(chosen):
                     for layer in kept:
                         per_row[layer][j] = hidden[layer][r, : lengths[indices[j]]].cpu()

@@ -34,7 +34,7 @@ from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint,
 from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
 from training.config import ConfigError, TrainConfig, load_config
-from training.data import build_datasets
+from training.data import build_datasets, collate
 from training.features import WithFeatures, cache_features, features_key
 from training.losses import eagle_loss, medusa_loss, target_features
 
@@ -53,28 +53,6 @@ def head_config(cfg: TrainConfig, target_config):
     if bad:
         raise ConfigError(f"head.feature_layers {bad} out of range: the target has {states} hidden states (indices {-states}..{states - 1})")
     return config
-
-
-def collate(pad_id: int):
-    def pad(batch):
-        width = max(len(x["input_ids"]) for x in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        loss_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, x in enumerate(batch):
-            n = len(x["input_ids"])
-            ids[row, :n] = torch.tensor(x["input_ids"])
-            loss_mask[row, :n] = torch.tensor(x["loss_mask"])
-            attention[row, :n] = 1
-        out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
-        if "features" in batch[0]:  # cached hidden states (training/features.py), padded like the rows
-            out["features"] = {
-                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True)
-                for layer in batch[0]["features"]
-            }
-        return out
-
-    return pad
 
 
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
