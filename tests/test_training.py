@@ -64,6 +64,41 @@ def test_data_scores_on_the_targets_own_answers_and_keeps_sources_apart(tiny_cha
     assert sorted(tmp_path.iterdir()) == written
 
 
+def test_balanced_prompts_reuse_every_answer_already_written(tiny_chat, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    import training.data as data_module
+    from training.config import DataConfig
+    from training.data import build_datasets, prompt_ids
+
+    records = [json.loads(line) for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()]
+    for i, record in enumerate(records):
+        record["source"] = "few" if i % 4 == 0 else "many"  # 40 against 120
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    asked = []
+    generate_batch = data_module.generate_batch
+    monkeypatch.setattr(data_module, "generate_batch", lambda t, tok, prompts, d: asked.extend(map(tuple, prompts)) or generate_batch(t, tok, prompts, d))
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    source_of = {tuple(prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])): r["source"] for r in records}
+
+    data = DataConfig(path=str(tmp_path / "prompts.jsonl"), eval_prompts=4, self_distill=8, dataset_responses=0,
+                      distill_max_new_tokens=4, distill_batch_size=4, cache_dir=str(tmp_path / "cache"))
+    first, _ = build_datasets(data, tokenizer, model, "tiny", seed=0)
+    assert len(asked) == 12  # 8 training + 4 held-out prompts, each answered once
+    answered = {tuple(row["input_ids"][: row["loss_mask"].index(1)]): row["input_ids"] for row in first}
+
+    balanced, _ = build_datasets(replace(data, self_distill=12, balance_field="source"), tokenizer, model, "tiny", seed=0)
+    prompts = [tuple(row["input_ids"][: row["loss_mask"].index(1)]) for row in balanced]
+    assert sorted(source_of[p] for p in prompts) == ["few"] * 6 + ["many"] * 6  # not 3 against 9
+    reused = [p for p in prompts if p in answered]
+    assert reused, "the balanced choice shares no prompt with the first: the test proves nothing"
+    assert len(asked) == 12 + len(prompts) - len(reused)  # only the new prompts were generated
+    for row in balanced:
+        prompt = tuple(row["input_ids"][: row["loss_mask"].index(1)])
+        if prompt in answered:
+            assert row["input_ids"] == answered[prompt]
+
+
 def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     result = train(recipe(tiny_chat, tmp_path / "eagle", eagle_unroll=2))
     first, last = result["history"][0], result["history"][-1]
@@ -154,6 +189,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--max_stepz", "3"], "unknown key"),
     (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
     (["--data.prompt_field", "question"], "has no 'question' field"),
+    (["--data.balance_field", "source"], "is not a field"),
     (["--head.feature_layers", "[1, 99]"], "out of range"),
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),

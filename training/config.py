@@ -48,6 +48,7 @@ class DataConfig:
     response_field: str | None = "response"  # the dataset's own answer, used as fixed text when present
     dataset_responses: int | None = None  # use at most N of those answers (a seeded random choice); None = all
     max_prompts: int | None = None  # use the first N prompts (after the held-out ones)
+    balance_field: str | None = None  # e.g. "source": take prompts round-robin across its values, not in proportion
     eval_prompts: int = 64  # held out from the start of the file for evaluation
     self_distill: int = 0  # how many prompts get responses written by the frozen target itself
     distill_max_new_tokens: int = 256
@@ -78,6 +79,7 @@ class TrainConfig:
     warmup_steps: int = 50
     lr_schedule: str = "cosine"  # cosine | linear | constant
     max_grad_norm: float = 1.0
+    group_by_length: bool = True  # batches of similar length (transformers' LengthGroupedSampler): less padding
     cache_features: bool = False  # compute the target's hidden states once, on disk (training/features.py), not every step
     mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it)
     eval_every: int = 200

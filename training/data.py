@@ -3,8 +3,9 @@
 Two sources of response text:
 - the dataset's `response` field, on which the frozen target later supplies its own soft labels (cheap);
 - self-distillation: the frozen target writes the responses itself (batched generate), which matches
-  its distribution best. Generated shards are written to the cache as they finish, so an interrupted
-  run resumes where it stopped and a rerun reuses them.
+  its distribution best. Answers are kept on disk per prompt, in shards written as they finish: an
+  interrupted run resumes where it stopped, and a rerun, or a recipe that picks other prompts, reuses
+  every answer already written.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from tqdm.auto import tqdm
 from .config import ConfigError, DataConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# the data settings that decide which prompts are self-distilled, and how
-DISTILL_SETTINGS = ("path", "split", "prompt_field", "messages_field", "max_prompts", "eval_prompts",
-                    "distill_max_new_tokens", "distill_batch_size", "distill_temperature")
+# the settings that shape a self-distilled answer to a given prompt (which prompts are asked is up to the recipe)
+DISTILL_SETTINGS = ("distill_max_new_tokens", "distill_batch_size", "distill_temperature")
 
 
 def load_records(data: DataConfig) -> Dataset:
@@ -109,12 +109,17 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         return load_from_disk(str(root / "train")), load_from_disk(str(root / "eval"))
 
     records = load_records(data)
+    if data.balance_field and data.balance_field not in records.column_names:
+        raise ConfigError(f"data.balance_field {data.balance_field!r} is not a field of {data.path} (columns: {records.column_names})")
     pairs = [conversation(r, data) for r in records]
     held_out, rest = pairs[: data.eval_prompts], pairs[data.eval_prompts :]
     if data.max_prompts is not None:
         rest = rest[: data.max_prompts]
     order = list(range(len(rest)))
     random.Random(seed).shuffle(order)
+    if data.balance_field:
+        groups = list(records[data.balance_field])[data.eval_prompts :]
+        order = interleave(order, groups)
 
     train = []
     # the dataset's answers come from prompts the target does not answer itself: more variety per token
@@ -123,15 +128,15 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         messages, response = rest[i]
         train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
     if data.self_distill:
-        # shards are keyed on what shapes the generated text only, not the count: raising
-        # data.self_distill (or changing how the rest of the data is used) reuses the shards already written
-        settings = [getattr(data, k) for k in DISTILL_SETTINGS]
+        # answers are stored per prompt, keyed on what shapes them only: raising data.self_distill, or
+        # choosing other prompts, reuses every answer already written
+        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS])}"
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
-        written = self_distill(target, tokenizer, chosen, data, root.parent / f"distill-{cache_key(fingerprint, settings, stamp, seed)}", is_main)
+        written = self_distill(target, tokenizer, chosen, data, store, is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
         # the heads will draft the target's own text: score them on its answers to the held-out prompts
         asked = [prompt_ids(tokenizer, m) for m, _ in held_out]
-        answers = self_distill(target, tokenizer, asked, data, root.parent / f"distill-eval-{cache_key(fingerprint, settings, stamp)}", is_main)
+        answers = self_distill(target, tokenizer, asked, data, store, is_main)
         evaluation = [example(p, r, data.max_length) for p, r in zip(asked, answers)]
     else:
         evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
@@ -147,28 +152,43 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     return train_set, eval_set
 
 
+def interleave(order: list[int], groups: list) -> list[int]:
+    """`order` taken round-robin across the groups (each keeping its own order): every prefix is balanced
+    until a group runs out."""
+    queues: dict = {}
+    for i in order:
+        queues.setdefault(groups[i], []).append(i)
+    rounds = max((len(q) for q in queues.values()), default=0)
+    return [q[r] for r in range(rounds) for q in queues.values() if r < len(q)]
+
+
 @torch.no_grad()
 def self_distill(target, tokenizer, prompts: list[list[int]], data: DataConfig, directory: Path, is_main: bool = True) -> list[list[int]]:
-    """The target's own responses to `prompts`, generated in shards that survive an interruption."""
+    """The target's own responses to `prompts`, from the answer store in `directory`; the missing ones are
+    generated in shards of {"prompts", "responses"}, each written whole, so an interruption loses at most one."""
     directory.mkdir(parents=True, exist_ok=True)
+    known: dict[tuple, list[int]] = {}
+    shards = sorted(directory.glob("shard-*.json"))
+    for path in shards:
+        shard = json.loads(path.read_text())
+        known.update(zip(map(tuple, shard["prompts"]), shard["responses"]))
+    missing = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in known))
     shard_size = data.distill_batch_size * 4
-    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
-    responses: list[list[int]] = []
-    for number, shard in enumerate(tqdm(shards, desc="self-distilling", disable=not is_main)):
+    first = int(shards[-1].stem.split("-")[1]) + 1 if shards else 0
+    chunks = [missing[i : i + shard_size] for i in range(0, len(missing), shard_size)]
+    for number, chunk in enumerate(tqdm(chunks, desc="self-distilling", disable=not is_main), first):
+        # batches of similar prompt length: left padding to the longest prompt costs every row its width
+        by_length = sorted(chunk, key=len)
+        written = []
+        for start in range(0, len(by_length), data.distill_batch_size):
+            batch = by_length[start : start + data.distill_batch_size]
+            written += generate_batch(target, tokenizer, [list(p) for p in batch], data)
         path = directory / f"shard-{number:05d}.json"
-        if not path.is_file():
-            # batches of similar prompt length: left padding to the longest prompt costs every row its width
-            by_length = sorted(range(len(shard)), key=lambda i: len(shard[i]))
-            written: list[list[int]] = [[] for _ in shard]
-            for start in range(0, len(shard), data.distill_batch_size):
-                rows = by_length[start : start + data.distill_batch_size]
-                for row, response in zip(rows, generate_batch(target, tokenizer, [shard[i] for i in rows], data)):
-                    written[row] = response
-            staging = path.with_suffix(f".tmp{os.getpid()}")
-            staging.write_text(json.dumps(written))
-            os.replace(staging, path)  # a shard is either complete or absent
-        responses += json.loads(path.read_text())
-    return responses
+        staging = path.with_suffix(f".tmp{os.getpid()}")
+        staging.write_text(json.dumps({"prompts": [list(p) for p in by_length], "responses": written}))
+        os.replace(staging, path)  # a shard is either complete or absent
+        known.update(zip(by_length, written))
+    return [known[tuple(p)] for p in prompts]
 
 
 def generate_batch(target, tokenizer, prompts: list[list[int]], data: DataConfig) -> list[list[int]]:
