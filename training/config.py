@@ -46,7 +46,7 @@ class DataConfig:
     prompt_field: str = "prompt"  # a user message ...
     messages_field: str | None = None  # ... or a whole conversation [{"role", "content"}, ...]
     response_field: str | None = "response"  # the dataset's own answer, used as fixed text when present
-    dataset_responses: int | None = None  # use at most N of those answers (a seeded random choice); None = all
+    dataset_responses: int | None = None  # use at most N of those answers (seeded order, balanced with balance_field); None = all
     max_prompts: int | None = None  # use the first N prompts (after the held-out ones)
     balance_field: str | None = None  # e.g. "source": take prompts round-robin across its values, not in proportion
     eval_prompts: int = 64  # held out from the start of the file for evaluation
