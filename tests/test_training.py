@@ -193,9 +193,18 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--head.feature_layers", "[1, 99]"], "out of range"),
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),
+    (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16 or fp16"),
 ])
 def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
         train(recipe(tiny_chat, tmp_path / "bad", max_steps=1) + extra)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mixed_precision_no_is_the_word_not_yaml_false():
+    # YAML 1.1 reads a bare `no` as false; accelerate would then reject False with a message about its own API
+    from training.config import load_config
+
+    assert load_config(None, ["--mixed_precision", "no"]).mixed_precision == "no"
+    assert load_config(None, ["--mixed_precision", "bf16"]).mixed_precision == "bf16"

@@ -105,6 +105,10 @@ class TrainConfig:
             raise ConfigError(f"head must be a mapping with kind 'medusa' or 'eagle', got {self.head!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
+        if self.mixed_precision is False:  # YAML 1.1 reads the bare word `no` (this field's default) as false
+            self.mixed_precision = "no"
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
         if not isinstance(self.cache_features, bool):
