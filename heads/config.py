@@ -64,7 +64,7 @@ class MedusaConfig:
 
 @dataclass
 class EagleConfig:
-    """One decoder layer over fc(cat(embedding of the next token, target feature)).
+    """`num_layers` decoder layers (EAGLE's choice: one) over fc(cat(embedding of the next token, target feature)).
 
     `feature_layers` are indices into the target's `hidden_states` tuple (0 = embeddings, -1 = the final,
     normalised hidden state). One index is EAGLE-1; several (low, mid, high) are fused EAGLE-3 style.
@@ -77,6 +77,7 @@ class EagleConfig:
     head_dim: int
     intermediate_size: int
     feature_layers: list[int] = field(default_factory=lambda: [-1])
+    num_layers: int = 1
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
@@ -90,6 +91,8 @@ class EagleConfig:
         self.feature_layers = list(self.feature_layers)
         if not self.feature_layers:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise HeadConfigError(f"EagleConfig.num_layers must be a whole number >= 1, got {self.num_layers!r}")
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> "EagleConfig":

@@ -1,6 +1,6 @@
-"""EAGLE head: one decoder layer over fc(cat(embedding of the next token, target feature)).
+"""EAGLE head: decoder layers (EAGLE's choice: one) over fc(cat(embedding of the next token, target feature)).
 
-The decoder layer is a one-layer Hugging Face `LlamaModel` (EAGLE's choice of layer, whatever the target's
+The decoder is a Hugging Face `LlamaModel` of `config.num_layers` layers (EAGLE's choice of layer, whatever the target's
 family), driven with `inputs_embeds`, explicit positions, a 4D tree mask and its own `DynamicCache`: the same
 machinery the target is driven with, and no copied modeling code.
 """
@@ -28,7 +28,7 @@ class EagleHead(nn.Module):
                 vocab_size=1,  # inputs come as embeddings; the token table stays the target's
                 hidden_size=hidden,
                 intermediate_size=config.intermediate_size,
-                num_hidden_layers=1,
+                num_hidden_layers=config.num_layers,
                 num_attention_heads=config.num_attention_heads,
                 num_key_value_heads=config.num_key_value_heads,
                 head_dim=config.head_dim,

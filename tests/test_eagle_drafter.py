@@ -55,9 +55,9 @@ class CheckedEagleDrafter(EagleDrafter):
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
     model = tiny_model("llama", eos=None)
-    for feature_layers in ([-1], [1, 2, -1]):
+    for feature_layers, num_layers in (([-1], 1), ([1, 2, -1], 1), ([-1], 2)):
         torch.manual_seed(0)
-        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers)).eval()
+        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers, num_layers=num_layers)).eval()
         drafter = CheckedEagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=9))
         drafter.model = model
         prompt = torch.randint(4, 97, (15,), generator=torch.Generator().manual_seed(1))

@@ -60,7 +60,7 @@ def test_medusa_round_trip_and_shared_projection(target, tmp_path):
 
 
 def test_eagle_round_trip_in_bfloat16(target, tmp_path):
-    head = EagleHead(EagleConfig.for_target(target.config, feature_layers=[1, 2, -1]))
+    head = EagleHead(EagleConfig.for_target(target.config, feature_layers=[1, 2, -1], num_layers=2))
     save_heads(head, tmp_path / "eagle", target)
     loaded = load_heads(tmp_path / "eagle", target)
     for name, tensor in head.state_dict().items():
@@ -119,6 +119,8 @@ def test_saving_over_a_checkpoint_replaces_it_whole(target, tmp_path):
     ({"kind": "medusa", "vocab_size": 10}, "hidden_size"),
     ({"kind": "hydra"}, "'kind' must be one of"),
     ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_heads": 0}, "num_heads >= 1"),
+    ({"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2, "num_key_value_heads": 2,
+      "head_dim": 4, "intermediate_size": 16, "num_layers": 0}, "num_layers must be a whole number >= 1"),
 ])
 def test_bad_head_configs_are_refused(data, message):
     with pytest.raises(HeadConfigError, match=message):
