@@ -1,7 +1,7 @@
 """How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
 
 from .accept import Sampling
-from .drafters import Drafter, EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter
+from .drafters import Drafter, EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter, medusa_tree_spec
 from .generate import Generation, GenerationStats, generate
 from .target import load_target
 from .tree import DynamicTreeSpec, StaticTree, Tree, TreeError, best_static_paths, chain_paths, static_tree
@@ -25,5 +25,6 @@ __all__ = [
     "chain_paths",
     "generate",
     "load_target",
+    "medusa_tree_spec",
     "static_tree",
 ]

@@ -16,19 +16,19 @@ from heads import load_heads
 
 from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
 from .calibrate import load_or_measure
-from .drafters import medusa_paths
+from .drafters import medusa_tree_spec
 
 
 def parse_tree(text: str | None, heads, model):
-    """'depth,top_k,nodes' for an EAGLE head, 'N' (nodes) for Medusa; by default sized to this machine."""
+    """'depth,top_k,nodes' for an EAGLE head, 'N' (nodes) for Medusa; by default sized to this machine at every step."""
     if heads is None:
         return None
     eagle = getattr(heads.config, "kind", "") == "eagle"
-    if text in (None, "auto"):  # from this machine's measured pass costs: per step for EAGLE, once for Medusa
+    if text in (None, "auto"):  # from this machine's measured pass costs
         if eagle:
             spec = DynamicTreeSpec()
             return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
-        return medusa_paths(heads, cost=load_or_measure(model, verbose=True))
+        return medusa_tree_spec(heads, cost=load_or_measure(model, verbose=True))
     numbers = [int(x) for x in text.split(",")]
     if eagle:
         if len(numbers) != 3:
@@ -36,7 +36,7 @@ def parse_tree(text: str | None, heads, model):
         return DynamicTreeSpec(*numbers)
     if len(numbers) != 1:
         raise SystemExit("--tree for Medusa heads is the number of draft nodes (e.g. 15)")
-    return medusa_paths(heads, nodes=numbers[0])
+    return medusa_tree_spec(heads, nodes=numbers[0])
 
 
 def main(argv=None):

@@ -10,6 +10,7 @@ The decode loop only ever calls three methods (transformers' candidate generator
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -26,11 +27,9 @@ from .tree import (
     TreeError,
     additive_mask,
     best_node_count,
-    best_static_paths,
-    default_accuracy,
+    likeliest_paths,
     merge_trees,
     select_best_nodes,
-    sized_static_paths,
     static_tree,
     subtree,
 )
@@ -88,19 +87,20 @@ def _as_static_tree(tree) -> StaticTree:
     raise TreeError(f"expected a static tree (a list of paths such as [(0,), (0, 0), (1,)]), got {tree!r}")
 
 
-def medusa_paths(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> list[tuple[int, ...]]:
-    """The `nodes` likeliest paths by the heads' per-rank accuracies (measured at the end of training, or a
-    prior); with a measured `cost`, only as many of them as pay for their verification on this machine
-    (possibly none: then the drafter decodes plainly)."""
-    accuracy = heads.config.rank_accuracy or default_accuracy(depth=heads.config.num_heads, ranks=4)
-    return sized_static_paths(accuracy, cost, nodes) if cost is not None else best_static_paths(nodes, accuracy)
+def medusa_tree_spec(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> DynamicTreeSpec:
+    """Medusa heads' default tree: each step the `nodes` likeliest paths by the heads' own probabilities, as
+    deep or as wide as they are sure (any rank may be kept, so top_k = nodes); with a measured `cost`, only
+    as many of them as pay for their verification on this machine."""
+    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=nodes, nodes=nodes, cost=cost)
 
 
 class MedusaDrafter:
-    """Head d proposes its top candidates for depth d; a static tree picks which ranks to verify.
+    """Head d proposes its top candidates for depth d; a tree picks which ranks to verify.
 
-    An empty tree (`[]`, what `medusa_paths` gives where no draft pays for its verification) verifies the
-    root alone: plain decoding.
+    A `DynamicTreeSpec` (the default: `medusa_tree_spec`) picks, each step, the `nodes` likeliest paths by
+    the product of the heads' own probabilities for their candidates (EAGLE-2's idea on Medusa heads): deep
+    where the heads are sure, wide where they hesitate. A static tree (a list of paths, Medusa's original)
+    verifies the same ranks every step; an empty one (`[]`) verifies the root alone: plain decoding.
     """
 
     hidden_layers = (-1,)
@@ -109,8 +109,9 @@ class MedusaDrafter:
         _check_head_fits(heads.config, model, "these Medusa heads")
         k = heads.config.num_heads
         if tree is None:
-            tree = medusa_paths(heads)
-        self.tree = None if isinstance(tree, (list, tuple)) and not tree else _as_static_tree(tree)
+            tree = medusa_tree_spec(heads)
+        self.spec = tree if isinstance(tree, DynamicTreeSpec) else None
+        self.tree = None if self.spec or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
         if self.tree is not None and self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
@@ -123,11 +124,28 @@ class MedusaDrafter:
         self.hidden = hidden[-1][-1]  # the state that produced the root
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        if self.tree is None:
+        if self.spec is not None:
+            depth, ranks = min(self.spec.depth, self.heads.config.num_heads, max_depth), self.spec.top_k
+        elif self.tree is not None:
+            depth, ranks = self.tree.max_depth, self.tree.max_rank + 1
+        else:
+            depth = 0
+        if depth < 1:
             return root_only(tokens)
-        logits = self.vocab.logits(self.heads(self.hidden)[: self.tree.max_depth])  # [depth, N], one projection
-        candidates = self.vocab.to_target(logits.topk(self.tree.max_rank + 1, dim=-1).indices)
-        return self.tree.fill(tokens[-1], candidates).truncate(max_depth)
+        logits = self.vocab.logits(self.heads(self.hidden)[:depth]).float()  # [depth, N], one projection
+        top = torch.log_softmax(logits, dim=-1).topk(ranks, dim=-1)
+        tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
+        if tree is None:
+            return root_only(tokens)
+        return tree.fill(tokens[-1], self.vocab.to_target(top.indices)).truncate(max_depth)
+
+    def _likeliest_tree(self, probability: list[list[float]]) -> StaticTree | None:
+        """This step's best paths, with probability[d][r] standing where a static tree has measured accuracies."""
+        paths = likeliest_paths(probability, self.spec.nodes, self.spec.cost)
+        return cached_static_tree(tuple(paths)) if paths else None
+
+
+cached_static_tree = functools.lru_cache(maxsize=4096)(static_tree)  # a step's shape recurs often: build each once
 
 
 RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps

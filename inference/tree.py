@@ -266,6 +266,12 @@ def sized_static_paths(accuracy: Sequence[Sequence[float]], cost: PassCost, max_
     return paths[: best_node_count(probability.log(), cost, 0.0, len(paths))]
 
 
+def likeliest_paths(probability: Sequence[Sequence[float]], nodes: int, cost: PassCost | None = None) -> list[tuple[int, ...]]:
+    """The `nodes` likeliest paths given probability[d][r] (a head's measured accuracies, or this step's own
+    probabilities); with a measured `cost`, only as many of them as pay for their verification."""
+    return sized_static_paths(probability, cost, nodes) if cost is not None else best_static_paths(nodes, probability)
+
+
 @dataclass(frozen=True)
 class DynamicTreeSpec:
     """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts.

@@ -32,7 +32,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import device_name, load_or_measure  # noqa: E402
-from inference.drafters import medusa_paths  # noqa: E402
+from inference.drafters import medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 
 METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
@@ -57,12 +57,12 @@ def build_methods(args, model, tokenizer):
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
     tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
-    calibrated = args.tree == "calibrated"  # EAGLE: each step keeps the drafts that pay on this machine; Medusa: once
+    calibrated = args.tree == "calibrated"  # each step keeps the drafts that pay on this machine
     if "eagle" in heads and calibrated:
         tree = replace(tree, cost=load_or_measure(model, heads["eagle"], tree, verbose=True))
     medusa_tree = None
     if "medusa" in heads:
-        medusa_tree = medusa_paths(heads["medusa"], nodes=args.nodes, cost=load_or_measure(model, verbose=True) if calibrated else None)
+        medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes, cost=load_or_measure(model, verbose=True) if calibrated else None)
 
     def ours(drafter, tree=None):
         def run(prompt):
@@ -195,7 +195,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
     parser.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated",
-                        help="calibrated: EAGLE keeps, each step, the drafts that pay for themselves on this machine (inference.calibrate), Medusa the static tree that does; fixed: always --nodes")
+                        help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes")
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--max-new-tokens", type=int, default=128)

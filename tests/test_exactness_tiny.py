@@ -5,8 +5,8 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, chain_paths, generate
-from inference.tree import default_accuracy
+from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, chain_paths, generate, medusa_tree_spec
+from inference.tree import PassCost, default_accuracy
 
 PROMPTS = 50
 NEW_TOKENS = 40
@@ -52,7 +52,9 @@ def drafters_for(model, prompt, reference):
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
     return {
         "medusa-static": (medusa, [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]),
-        "medusa-no-draft-pays": (medusa, []),  # sized_static_paths' answer on a machine where nothing pays
+        "medusa-no-draft-pays": (medusa, []),
+        "medusa-dynamic": (medusa, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
+        "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),  # sized_static_paths' answer on a machine where nothing pays
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
         "prompt-lookup": (PromptLookupDrafter(max_ngram=2), None),

@@ -197,3 +197,14 @@ def test_sized_static_paths_keep_only_what_pays():
     sized = sized_static_paths(accuracy, moderate, 12)
     assert sized == best[: len(sized)] and 1 < len(sized) < 12
     static_tree(sized)  # prefix-closed, so a valid tree
+
+
+def test_likeliest_paths_go_deep_when_sure_and_wide_when_hesitant():
+    from inference.tree import likeliest_paths
+
+    sure = [[0.95, 0.02, 0.02, 0.01]] * 4
+    hesitant = [[0.3, 0.3, 0.2, 0.2]] * 4
+    assert likeliest_paths(sure, 5)[:4] == chain_paths(4)
+    assert likeliest_paths(hesitant, 6) == [(0,), (1,), (2,), (3,), (0, 0), (0, 1)]
+    steep = PassCost((1, 2, 64), (1.0, 2.0, 64.0))
+    assert likeliest_paths(sure, 5, steep) == [] and likeliest_paths(sure, 5) == best_static_paths(5, sure)
