@@ -131,6 +131,27 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
 
 
+def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():
+    from heads import DraftVocabulary, MedusaConfig, MedusaHeads
+    from training.losses import medusa_loss
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(8, 10, bias=False)
+    hidden = 50 * torch.randn(1, 12, 8)  # sharp: the target's distribution is all but one-hot
+    input_ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), lm_head(hidden).argmax(-1)[:, :-1]], dim=1)  # its greedy text
+    heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=10, num_heads=2))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    args = (heads, DraftVocabulary(lm_head), hidden, input_ids, torch.ones(1, 12), 0.8, 64)
+    hard, _ = medusa_loss(*args)
+    soft, _ = medusa_loss(*args, soft_labels=True)
+    # on greedy text each label is the argmax of the target's distribution one position earlier; a teacher
+    # read at any other position would disagree with the hard labels
+    torch.testing.assert_close(soft, hard, rtol=0.01, atol=0)
+    other_labels, _ = medusa_loss(heads, DraftVocabulary(lm_head), hidden, torch.randint(0, 10, (1, 12)), torch.ones(1, 12), 0.8, 64)
+    assert abs(other_labels.item() - soft.item()) > 0.1 * soft.item()
+
+
 def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path):
     common = dict(max_steps=8, eval_every=8, save_every=8, eagle_unroll=2, **{"head.feature_layers": "[1,-1]"})
     train(recipe(tiny_chat, tmp_path / "live", **common))
@@ -194,6 +215,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),
     (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16 or fp16"),
+    (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
 ])
 def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -89,6 +89,7 @@ class TrainConfig:
     report_to: str = "none"  # none | wandb | tensorboard | all
     # objectives
     medusa_decay: float = 0.8  # weight of head k is decay ** k
+    medusa_soft_labels: bool = False  # cross-entropy against the target's distribution for each label, not its token
     eagle_regression_weight: float = 1.0  # SmoothL1 on the predicted feature
     eagle_ce_weight: float = 0.1  # soft cross-entropy against the target's own distribution
     eagle_noise: float = 0.2  # uniform feature noise, +-noise/2 (EAGLE's augmentation)
@@ -111,8 +112,9 @@ class TrainConfig:
             raise ConfigError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
-        if not isinstance(self.cache_features, bool):
-            raise ConfigError(f"cache_features must be true or false, got {self.cache_features!r}")
+        for name in ("cache_features", "group_by_length", "medusa_soft_labels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "eagle_unroll"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

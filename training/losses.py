@@ -32,8 +32,12 @@ def sample_positions(mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
     return where
 
 
-def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int):
-    """Head k at position t predicts the token at t + k + 2 (the one after next, then further)."""
+def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int, soft_labels: bool = False):
+    """Head k at position t predicts the token at t + k + 2 (the one after next, then further).
+
+    With `soft_labels`, against the target's whole distribution for that token (its last hidden state one
+    position earlier, through the draft vocabulary) rather than the token alone: the runners-up it teaches
+    are what a tree's other ranks draft, and the heads' probabilities are what a dynamic tree ranks by."""
     where = sample_positions(loss_mask[:, 2:].bool(), max_tokens)  # positions head 0 has a label for
     features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
     total, metrics = features.sum() * 0.0, {}
@@ -46,7 +50,11 @@ def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: 
         logits = vocab.logits(features[keep, k]).float()
         labels = input_ids[where[keep, 0], label_at[keep]]
         drafted = vocab.from_target(labels)  # -100 (ignored) where the label is outside the draft vocabulary
-        if (drafted >= 0).any():
+        if soft_labels:
+            with torch.no_grad():
+                teacher = torch.softmax(vocab.logits(hidden[where[keep, 0], label_at[keep] - 1]).float(), dim=-1)
+            total = total + decay**k * -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        elif (drafted >= 0).any():
             total = total + decay**k * F.cross_entropy(logits, drafted, ignore_index=-100)
         top = vocab.to_target(logits.topk(4, dim=-1).indices)
         metrics[f"top1/depth{k + 2}"] = (top[:, 0] == labels).float().mean().item()

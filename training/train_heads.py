@@ -78,7 +78,7 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
     lm_head = target.get_output_embeddings()
     vocab = DraftVocabulary(lm_head, draft_ids)
     if cfg.head["kind"] == "medusa":
-        return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens)
+        return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens, cfg.medusa_soft_labels)
     return eagle_loss(
         heads, layers, target.get_input_embeddings(), lm_head, vocab, features, batch["input_ids"], batch["loss_mask"],
         regression_weight=cfg.eagle_regression_weight, ce_weight=cfg.eagle_ce_weight, noise=cfg.eagle_noise,
