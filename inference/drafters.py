@@ -133,7 +133,7 @@ class MedusaDrafter:
         if depth < 1:
             return root_only(tokens)
         logits = self.vocab.logits(self.heads(self.hidden)[:depth]).float()  # [depth, N], one projection
-        top = torch.log_softmax(logits, dim=-1).topk(ranks, dim=-1)
+        top = torch.log_softmax(logits, dim=-1).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
         tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
         if tree is None:
             return root_only(tokens)

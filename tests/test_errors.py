@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from heads import HeadConfigError, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, PromptLookupDrafter, TreeError, generate
+from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, MedusaHeads
+from inference import PromptLookupDrafter, TreeError, generate
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,11 @@ def test_tree_needing_more_heads_than_the_checkpoint_has(model):
 
 def test_wrong_tree_kind_for_a_drafter(model):
     heads = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2))
-    with pytest.raises(TreeError, match="static tree"):
-        generate(model, heads, PROMPT, tree=DynamicTreeSpec())
+    with pytest.raises(TreeError, match="static tree"):  # Medusa takes a DynamicTreeSpec or a list of paths
+        generate(model, heads, PROMPT, tree="5,4,15")
+    eagle = EagleHead(EagleConfig.for_target(model.config))
+    with pytest.raises(TreeError, match="grows dynamic trees"):
+        generate(model, eagle, PROMPT, tree=[(0,), (1,)])
     with pytest.raises(TreeError, match="with its own tree"):
         generate(model, PromptLookupDrafter(), PROMPT, tree=[(0,)])
 
