@@ -111,7 +111,7 @@ class MedusaDrafter:
         if tree is None:
             tree = medusa_tree_spec(heads)
         self.spec = tree if isinstance(tree, DynamicTreeSpec) else None
-        self.tree = None if self.spec or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
+        self.tree = None if self.spec is not None or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
         if self.tree is not None and self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
