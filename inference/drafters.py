@@ -201,7 +201,7 @@ class EagleDrafter:
         depth_limit = min(self.levels, max_depth)
         if depth_limit < 1:
             return root_only(tokens)
-        k, device = self.spec.top_k, tokens.device
+        k, device = min(self.spec.top_k, self.vocab.weight.shape[0]), tokens.device  # a draft vocabulary may be tiny
         capacity = 1 + k + (depth_limit - 1) * k * k
         node_tokens = torch.empty(capacity, dtype=torch.long, device=device)
         parents = torch.empty_like(node_tokens)

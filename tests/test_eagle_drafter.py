@@ -3,7 +3,7 @@ from-scratch recomputation of the head: what it drafts is what the head would dr
 
 import torch
 
-from conftest import tiny_model
+from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead
 from inference import DynamicTreeSpec, EagleDrafter, generate
 
@@ -113,3 +113,22 @@ def test_an_overconfident_head_is_discounted():
     assert drafter.reliability < 0.5
     drafter.reset()
     assert drafter.reliability == 1.0
+
+
+def test_a_draft_vocabulary_smaller_than_top_k_drafts_from_all_of_it():
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=3)).eval()
+    head.draft_ids.copy_(torch.tensor([5, 9, 40]))
+    prompt = torch.randint(4, 97, (10,), generator=torch.Generator().manual_seed(2))
+    spec = DynamicTreeSpec(depth=3, top_k=8, nodes=9)
+    out = generate(model, head, prompt, max_new_tokens=12, tree=spec)
+    assert out.token_ids == hf_greedy(model, prompt, 12)
+    drafter = EagleDrafter(head, model, spec)
+    drafter.reset()
+    with torch.no_grad():
+        hidden = model(prompt[None], output_hidden_states=True).hidden_states
+        drafter.observe({-1: hidden[-1][0]}, torch.cat([prompt[1:], prompt[:1]]))
+        tree = drafter.propose(prompt, max_depth=3)
+    assert set(tree.tokens[1:].tolist()) <= {5, 9, 40}
+    assert int((tree.depth == 1).sum()) == 3  # every draft token at depth 1, not top_k of them
