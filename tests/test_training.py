@@ -154,15 +154,18 @@ def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():
 
 def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path):
     common = dict(max_steps=8, eval_every=8, save_every=8, eagle_unroll=2, **{"head.feature_layers": "[1,-1]"})
-    train(recipe(tiny_chat, tmp_path / "live", **common))
-    train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **common))
+    live_run = train(recipe(tiny_chat, tmp_path / "live", **common))
+    cached_run = train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **common))
     shards = sorted((tiny_chat / "cache").glob("features-*/shard-*.safetensors"))
     assert shards, "no feature shards written"
+    # the same features up to how the target's batches were padded (float32 sums in another order, ~1e-7),
+    # so: the same held-out loss, and weights within one rounding step of the bf16 checkpoints (features
+    # cached 0.1% off move the loss by 2.6e-5 and some weights by ten steps)
+    assert abs(live_run["history"][-1]["eval/loss"] - cached_run["history"][-1]["eval/loss"]) < 2e-6
     model, _ = load_target(tiny_chat / "model")
     live, cached = load_heads(tmp_path / "live", model), load_heads(tmp_path / "cached", model)
     for (name, a), b in zip(live.named_parameters(), cached.parameters()):
-        # the same features up to how the target's batches were padded (float32 sums in another order)
-        assert torch.allclose(a, b, atol=1e-4), name
+        assert torch.allclose(a, b, rtol=2**-7, atol=1e-6), name
     stamps = [p.stat().st_mtime_ns for p in shards]
     train(recipe(tiny_chat, tmp_path / "again", cache_features="true", **common))  # a rerun reuses the shards
     assert [p.stat().st_mtime_ns for p in shards] == stamps
