@@ -47,7 +47,8 @@ def main(argv=None):
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
     parser.add_argument("--lookup", action="store_true", help="merge prompt-lookup drafts into the tree")
     parser.add_argument("--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="float32 (default) is exact; auto picks bfloat16 where this machine computes it faster")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

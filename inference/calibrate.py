@@ -1,6 +1,6 @@
 """Measure, once per machine, what a verification pass over k tokens costs (and one level of drafting).
 
-    python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype bfloat16] [--refresh]
+    python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype auto] [--refresh]
 
 The best tree depends on the hardware: here a bfloat16 pass over 16 tokens costs ~1.3x a one-token pass,
 a float32 one ~2x. The measurement takes a few seconds and is cached per (model, heads, dtype, device,
@@ -126,7 +126,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="an EAGLE head checkpoint, to measure a draft level too")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo uses)")
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
     args = parser.parse_args(argv)
     model, _ = load_target(args.model, dtype=args.dtype)

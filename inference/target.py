@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,12 +24,51 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
 
 
-def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+@functools.lru_cache(maxsize=None)
+def bfloat16_is_faster(device_type: str = "cpu") -> bool:
+    """Whether bfloat16 matrix products beat float32 ones here: measured on a CPU, where it depends on the
+    instruction set (fast with AVX512-BF16 or AMX; emulated, 2-5x slower than float32, with AVX2 alone)."""
+    if device_type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device_type != "cpu":
+        return False
+    # a layer of a verification pass: tens of rows through an MLP-sized weight (a single row is
+    # bandwidth-bound, where bfloat16's halved bytes win even when its arithmetic is emulated); ~50 ms
+    rows, weight = torch.randn(64, 576), torch.randn(1536, 576)
+
+    def best_seconds(dtype: torch.dtype) -> float:
+        x, w = rows.to(dtype), weight.to(dtype)
+        torch.nn.functional.linear(x, w)  # warm-up
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best_seconds(torch.bfloat16) < best_seconds(torch.float32)
+
+
+def as_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A torch dtype from its name; "auto" is bfloat16 where it is faster than float32 on `device`."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if bfloat16_is_faster(torch.device(device).type) else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[dtype]
+
+
+def warn_if_slow_bfloat16(dtype: torch.dtype, device: str | torch.device, what: str = "bfloat16") -> None:
+    """Asking for bfloat16 where it is emulated is legal but costly: say so, and what to pick instead."""
+    device_type = torch.device(device).type
+    if dtype == torch.bfloat16 and device_type == "cpu" and not bfloat16_is_faster(device_type):
+        warnings.warn(
+            f"{what} is slower than float32 on this CPU ({torch.backends.cpu.get_cpu_capability()}: no native "
+            "bfloat16 matrix products, so they are emulated); use float32, or 'auto' to pick the faster one",
+            stacklevel=3,
+        )
 
 
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -70,9 +112,14 @@ def load_target(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ):
-    """(model, tokenizer) for a hub id or local directory; None loads the embedded SmolLM2-135M-Instruct."""
+    """(model, tokenizer) for a hub id or local directory; None loads the embedded SmolLM2-135M-Instruct.
+
+    `dtype` may be "auto": bfloat16 where this device computes it faster than float32 (bfloat16_is_faster).
+    Greedy output is exact against the model in the dtype it is loaded in."""
     path = default_model_dir() if name_or_path is None else name_or_path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=as_dtype(dtype), attn_implementation="sdpa")
+    dtype = as_dtype(dtype, device)
+    warn_if_slow_bfloat16(dtype, device, "the target in bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.to(device).eval()
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_NAME

@@ -199,7 +199,7 @@ def main(argv=None):
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster")
     parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
     args = parser.parse_args(argv)
     if "hf" in args.methods and args.methods[0] != "hf":
@@ -230,7 +230,7 @@ def main(argv=None):
     summary = summarise(records, args.methods)
     header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
               f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {args.dtype}, greedy.")
+              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {str(model.dtype).removeprefix('torch.')}, greedy.")
     table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods)
     print("\n" + table)
     if args.out:

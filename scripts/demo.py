@@ -1,6 +1,6 @@
 """Answer one prompt with the shipped EAGLE head (plus prompt lookup), streaming, then compare with plain decoding.
 
-    python scripts/demo.py ["your prompt"] [--heads DIR] [--dtype bfloat16]
+    python scripts/demo.py ["your prompt"] [--heads DIR] [--dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=PROMPT)
     parser.add_argument("--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                        help="bfloat16 (default) is where CPUs with AVX512-BF16/AMX verify many tokens almost for free")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto (default): bfloat16 where this machine computes it faster than float32 (CPUs with "
+                             "AVX512-BF16 or AMX, where a pass over many tokens costs little more than over one), else float32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
 
     model, tokenizer = load_target(dtype=args.dtype)
+    print(f"target in {str(model.dtype).removeprefix('torch.')}")
     drafters = [PromptLookupDrafter()]
     if Path(args.heads, "config.json").is_file():
         drafters.insert(0, load_heads(args.heads, model))
@@ -66,7 +68,7 @@ def main(argv=None):
         at = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), min(len(out.token_ids), len(reference)))
         if at < min(len(out.token_ids), len(reference)):
             tie, steps = near_tie(model, prompt["input_ids"] + reference[:at], out.token_ids[at], reference[at])
-            print(f"first difference at token {at}: both tokens are within {steps:.1f} {args.dtype} rounding steps of the target's top logit there"
+            print(f"first difference at token {at}: both tokens are within {steps:.1f} {str(model.dtype).removeprefix('torch.')} rounding steps of the target's top logit there"
                   f" ({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})")
 
 

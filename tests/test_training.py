@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,7 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
     saved = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert saved["training"]["steps"] == 150 and saved["training"]["config"]["eagle_unroll"] == 2
+    assert saved["training"]["eval_history"][-1] == {k: round(v, 4) for k, v in last.items()}
 
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
@@ -217,7 +219,8 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--head.feature_layers", "[1, 99]"], "out of range"),
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),
-    (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16 or fp16"),
+    (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),
+    (["--target_dtype", "bf32"], "target_dtype must be one of"),
     (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
 ])
 def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
@@ -233,3 +236,27 @@ def test_mixed_precision_no_is_the_word_not_yaml_false():
 
     assert load_config(None, ["--mixed_precision", "no"]).mixed_precision == "no"
     assert load_config(None, ["--mixed_precision", "bf16"]).mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("faster, dtype, precision", [(True, "bfloat16", "bf16"), (False, "float32", "no")])
+def test_auto_precision_is_bfloat16_only_where_it_is_faster(monkeypatch, faster, dtype, precision):
+    import inference.target
+    from training.config import load_config
+
+    monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": faster)
+    cfg = load_config(None, ["--target_dtype", "auto", "--mixed_precision", "auto"])
+    cfg.resolve_auto_precision("cpu")
+    assert (cfg.target_dtype, cfg.mixed_precision) == (dtype, precision)
+    assert inference.target.as_dtype("auto") == getattr(torch, dtype)
+
+
+def test_bfloat16_where_it_is_emulated_is_loaded_with_a_warning(monkeypatch, tiny_chat):
+    import inference.target
+
+    for faster in (False, True):
+        monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": faster)
+        with pytest.warns() as caught:
+            model, _ = load_target(tiny_chat / "model", dtype="bfloat16")
+            warnings.warn("a marker, so that pytest.warns always has one", UserWarning)
+        slow = [w for w in caught if "slower than float32 on this CPU" in str(w.message)]
+        assert model.dtype == torch.bfloat16 and len(slow) == (0 if faster else 1)

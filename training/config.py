@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from heads.config import HeadConfigError, dataclass_from_dict
+import inference.target
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "prompts.jsonl")
 
@@ -65,7 +66,7 @@ class DataConfig:
 class TrainConfig:
     head: dict[str, Any] = field(default_factory=lambda: {"kind": "eagle"})  # kind + options of heads.*Config
     model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
-    target_dtype: str = "float32"  # the frozen target's dtype while computing features
+    target_dtype: str = "float32"  # the frozen target's dtype (features, self-distillation); auto: bfloat16 where faster
     data: DataConfig = field(default_factory=DataConfig)
     output_dir: str = "outputs/heads"  # the trained heads (config.json + model.safetensors)
     state_dir: str | None = None  # resumable training checkpoints; default <output_dir>.train-state
@@ -81,7 +82,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     group_by_length: bool = True  # batches of similar length (transformers' LengthGroupedSampler): less padding
     cache_features: bool = False  # compute the target's hidden states once, on disk (training/features.py), not every step
-    mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it)
+    mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it) | auto: bf16 where faster
     eval_every: int = 200
     save_every: int = 200
     keep_checkpoints: int = 2
@@ -108,8 +109,10 @@ class TrainConfig:
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
         if self.mixed_precision is False:  # YAML 1.1 reads the bare word `no` (this field's default) as false
             self.mixed_precision = "no"
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ConfigError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
+            raise ConfigError(f"mixed_precision must be no, bf16, fp16 or auto, got {self.mixed_precision!r}")
+        if self.target_dtype not in inference.target.DTYPES and self.target_dtype != "auto":
+            raise ConfigError(f"target_dtype must be one of {sorted(inference.target.DTYPES)} or auto, got {self.target_dtype!r}")
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
         for name in ("cache_features", "group_by_length", "medusa_soft_labels"):
@@ -118,6 +121,16 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "eagle_unroll"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def resolve_auto_precision(self, device_type: str) -> None:
+        """`auto` becomes bfloat16 where this device computes it faster than float32 (a CPU with AVX512-BF16 or
+        AMX, most GPUs), float32 elsewhere: emulated on a CPU with AVX2 alone, bfloat16 costs 2-5x. Resolved
+        once, so the checkpoint's config.json records what was used."""
+        fast = inference.target.bfloat16_is_faster(device_type)
+        if self.target_dtype == "auto":
+            self.target_dtype = "bfloat16" if fast else "float32"
+        if self.mixed_precision == "auto":
+            self.mixed_precision = "bf16" if fast else "no"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

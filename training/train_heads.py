@@ -34,6 +34,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
+from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets, collate
 from training.features import WithFeatures, cache_features, features_key
@@ -134,8 +135,12 @@ def main(argv=None):
     except HeadConfigError as error:
         parser.error(str(error))
 
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg.resolve_auto_precision(device_type)
+    if cfg.mixed_precision == "bf16":
+        warn_if_slow_bfloat16(torch.bfloat16, device_type, "mixed_precision bf16")
     # several CPU processes talk over gloo; accelerate needs to be told or it counts one process per rank
-    distributed_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed_cpu = device_type == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
@@ -258,7 +263,9 @@ def main(argv=None):
                 for d in range(2, model.config.num_heads + 2)
             ]
         training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
-                    "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"]))}
+                    "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"])),
+                    # the held-out curve travels with the weights (a resumed run's covers its own part only)
+                    "eval_history": [{k: round(v, 4) for k, v in entry.items()} for entry in history]}
         save_heads(model, output, target, training=training)
         accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
     # every rank reports its weights: data-parallel ranks must end identical
