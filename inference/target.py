@@ -27,7 +27,7 @@ def cache_root() -> Path:
 @functools.lru_cache(maxsize=None)
 def bfloat16_is_faster(device_type: str = "cpu") -> bool:
     """Whether bfloat16 matrix products beat float32 ones here: measured on a CPU, where it depends on the
-    instruction set (fast with AVX512-BF16 or AMX; emulated, 2-5x slower than float32, with AVX2 alone)."""
+    instruction set (fast with AVX512-BF16 or AMX; emulated, 1.7-5x slower than float32, with AVX2 alone)."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device_type != "cpu":

@@ -124,7 +124,7 @@ class TrainConfig:
 
     def resolve_auto_precision(self, device_type: str) -> None:
         """`auto` becomes bfloat16 where this device computes it faster than float32 (a CPU with AVX512-BF16 or
-        AMX, most GPUs), float32 elsewhere: emulated on a CPU with AVX2 alone, bfloat16 costs 2-5x. Resolved
+        AMX, most GPUs), float32 elsewhere: emulated on a CPU with AVX2 alone, bfloat16 costs 1.7-5x. Resolved
         once, so the checkpoint's config.json records what was used."""
         fast = inference.target.bfloat16_is_faster(device_type)
         if self.target_dtype == "auto":
