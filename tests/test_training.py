@@ -255,8 +255,8 @@ def test_bfloat16_where_it_is_emulated_is_loaded_with_a_warning(monkeypatch, tin
 
     for faster in (False, True):
         monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": faster)
-        with pytest.warns() as caught:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             model, _ = load_target(tiny_chat / "model", dtype="bfloat16")
-            warnings.warn("a marker, so that pytest.warns always has one", UserWarning)
         slow = [w for w in caught if "slower than float32 on this CPU" in str(w.message)]
         assert model.dtype == torch.bfloat16 and len(slow) == (0 if faster else 1)

@@ -123,7 +123,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def resolve_auto_precision(self, device_type: str) -> None:
-        """`auto` becomes bfloat16 where this device computes it faster than float32 (a CPU with AVX512-BF16 or
+        """`auto` becomes bfloat16 where this device computes it clearly faster than float32 (a CPU with AVX512-BF16 or
         AMX, most GPUs), float32 elsewhere: emulated on a CPU with AVX2 alone, bfloat16 costs 1.7-5x. Resolved
         once, so the checkpoint's config.json records what was used."""
         fast = inference.target.bfloat16_is_faster(device_type)
