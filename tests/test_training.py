@@ -173,6 +173,42 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
     assert [p.stat().st_mtime_ns for p in shards] == stamps
 
 
+def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny_chat, tmp_path, capsys):
+    from heads import save_heads
+
+    model, _ = load_target(tiny_chat / "model")
+    torch.manual_seed(0)
+    source = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=16))
+    source.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:16])
+    save_heads(source, tmp_path / "one-layer", model, dtype=torch.float32)
+    # learning rate 0: the saved head is the warm start itself
+    train(recipe(tiny_chat, tmp_path / "fused", max_steps=2, eval_every=2, learning_rate=0, init_from=tmp_path / "one-layer",
+                 **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"}))
+    fused = load_heads(tmp_path / "fused", model)
+    assert torch.equal(fused.draft_ids, source.draft_ids)
+    last, low = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    tokens, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
+    with torch.no_grad():
+        # bf16 checkpoints: the same head up to one bf16 rounding of its weights
+        torch.testing.assert_close(fused(torch.cat([low, last], -1), tokens, position_ids=positions),
+                                   source.eval()(last, tokens, position_ids=positions), rtol=0.02, atol=0.02)
+        assert not torch.allclose(fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions),
+                                  fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions))
+
+    for extra, message in [
+        ({"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"}, "may only grow from one layer to several that include it"),
+        ({"head.draft_vocab_size": 8}, "does not fit this recipe's head"),
+        ({"head.kind": "medusa"}, "holds eagle heads, but this recipe trains medusa heads"),
+    ]:
+        with pytest.raises(SystemExit):
+            train(recipe(tiny_chat, tmp_path / "bad", max_steps=1, init_from=tmp_path / "one-layer", **extra))
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train(recipe(tiny_chat, tmp_path / "bad", max_steps=1, init_from=tmp_path / "nowhere"))
+    error = capsys.readouterr().err
+    assert "init_from:" in error and "is not a head checkpoint" in error
+
+
 def run_script(args, env_extra=None, **kwargs):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env_extra or {})}
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)

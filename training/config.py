@@ -69,6 +69,7 @@ class TrainConfig:
     target_dtype: str = "float32"  # the frozen target's dtype (features, self-distillation); auto: bfloat16 where faster
     data: DataConfig = field(default_factory=DataConfig)
     output_dir: str = "outputs/heads"  # the trained heads (config.json + model.safetensors)
+    init_from: str | None = None  # a head checkpoint to start from (its weights and draft vocabulary); see warm_start
     state_dir: str | None = None  # resumable training checkpoints; default <output_dir>.train-state
     seed: int = 0
     max_steps: int = 1000  # optimizer steps
@@ -91,7 +92,7 @@ class TrainConfig:
     # objectives
     medusa_decay: float = 0.8  # weight of head k is decay ** k
     medusa_soft_labels: bool = False  # cross-entropy against the target's distribution for each label, not its token
-    eagle_regression_weight: float = 1.0  # SmoothL1 on the predicted feature
+    eagle_regression_weight: float = 1.0  # SmoothL1 of the predicted feature against the target's last hidden state
     eagle_ce_weight: float = 0.1  # soft cross-entropy against the target's own distribution
     eagle_noise: float = 0.2  # uniform feature noise, +-noise/2 (EAGLE's augmentation)
     eagle_unroll: int = 1  # EAGLE-3 training-time test: also train on the head's own fed-back features

@@ -85,7 +85,7 @@ def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, 
         # a step-j prediction at position t stands for a draft j deep: it exists only where t >= j - 1
         step_valid = valid.clone()
         step_valid[:, : step - 1] = False
-        if regression_weight and list(layers) == [-1]:
+        if regression_weight:
             diff = F.smooth_l1_loss(predicted, targets, reduction="none").mean(-1)
             total = total + regression_weight * (diff * step_valid).sum() / step_valid.sum().clamp(min=1)
         where = sample_positions(step_valid, max_tokens)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, most_frequent_tokens, save_heads
+from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, dataclass_from_dict
 from inference import load_target
 from inference.target import warn_if_slow_bfloat16
@@ -68,6 +68,40 @@ def head_config(cfg: TrainConfig, target_config):
     if bad:
         raise ConfigError(f"head.feature_layers {bad} out of range: the target has {states} hidden states (indices {-states}..{states - 1})")
     return config
+
+
+def warm_start(heads, path: str, target) -> None:
+    """Start `heads` from the checkpoint at `path` (fitted on this target; same kind and shape).
+
+    One exception to "same shape": an EAGLE head that fuses several target layers may start from a head that
+    reads one of them. Its fuse layer then starts as a selector of that layer, so the new head computes
+    exactly what the old one did, and training only has to learn what the other layers add (EAGLE-3's low
+    layers carry the current token's identity, which copying from the context needs).
+    """
+    try:
+        source = load_heads(path, target)
+    except HeadConfigError as error:
+        raise ConfigError(f"init_from: {error}") from None
+    if type(source) is not type(heads):
+        raise ConfigError(f"init_from: {path} holds {source.config.kind} heads, but this recipe trains {heads.config.kind} heads")
+    state = source.state_dict()
+    if isinstance(heads.config, EagleConfig) and source.config.feature_layers != heads.config.feature_layers:
+        states = target.config.num_hidden_layers + 1  # -1 and num_hidden_layers name the same hidden state
+        old = [i % states for i in source.config.feature_layers]
+        new = [i % states for i in heads.config.feature_layers]
+        if len(old) != 1 or old[0] not in new or len(new) == 1:
+            raise ConfigError(
+                f"init_from: {path} reads target layers {source.config.feature_layers}, this head {heads.config.feature_layers}; "
+                "a head may only grow from one layer to several that include it (or keep its layers)"
+            )
+        hidden, at = heads.config.hidden_size, new.index(old[0])
+        selector = torch.zeros(hidden, len(new) * hidden)
+        selector[:, at * hidden : (at + 1) * hidden] = torch.eye(hidden)
+        state["fuse.weight"] = selector
+    try:
+        heads.load_state_dict({name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()})
+    except RuntimeError as error:
+        raise ConfigError(f"init_from: {path} does not fit this recipe's head ({error}); keep its head settings, e.g. draft_vocab_size") from None
 
 
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
@@ -159,8 +193,12 @@ def main(argv=None):
     target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
     target.requires_grad_(False)
     fingerprint = TargetFingerprint.of(target)
-    try:  # mistakes in the recipe surface here: a clear message, not a traceback
+    try:  # mistakes in the recipe surface here (before any data is prepared): a clear message, not a traceback
         config = head_config(cfg, target.config)
+        heads = build_heads(config)
+        if cfg.init_from:  # its draft vocabulary comes with it: its projection rows were learned for those tokens
+            warm_start(heads, cfg.init_from, target)
+            accelerator.print(f"starting from the heads at {cfg.init_from}")
         with accelerator.main_process_first():
             train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
     except HeadConfigError as error:
@@ -177,8 +215,7 @@ def main(argv=None):
         accelerator.print(f"features: {sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
         return {"steps": 0, "history": [], "output": None, "weights_sha256": None}
-    heads = build_heads(config)
-    if heads.draft_ids is not None:  # the draft vocabulary: the most frequent tokens of the training answers
+    if heads.draft_ids is not None and not cfg.init_from:  # the draft vocabulary: the most frequent tokens of the training answers
         ids, covered, total = most_frequent_tokens(
             ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in rows), config.draft_vocab_size, config.vocab_size
         )
