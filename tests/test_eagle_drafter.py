@@ -13,7 +13,7 @@ def recompute(head, model, tokens, draft_tokens):
     layers = head.config.feature_layers
     with torch.no_grad():
         hidden = model(tokens[None], output_hidden_states=True).hidden_states
-        features = head.fuse(torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1))  # the target's, x_0..x_{n-2}
+        features = head.fuse_features(torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1))  # the target's, x_0..x_{n-2}
         inputs = tokens[1:]
         out = None
         for step in range(len(draft_tokens) + 1):

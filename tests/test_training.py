@@ -194,9 +194,15 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
                                    source.eval()(last, tokens, position_ids=positions), rtol=0.02, atol=0.02)
         assert not torch.allclose(fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions),
                                   fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions))
+        # raw residual-stream layers are RMS-normalised before fusing: their scale does not matter, the final one's does
+        torch.nn.init.normal_(fused.fuse.weight, std=0.1)
+        torch.testing.assert_close(fused(torch.cat([1000 * low, last], -1), tokens, position_ids=positions),
+                                   fused(torch.cat([low, last], -1), tokens, position_ids=positions), rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(fused(torch.cat([low, 1000 * last], -1), tokens, position_ids=positions),
+                                  fused(torch.cat([low, last], -1), tokens, position_ids=positions), rtol=1e-2, atol=1e-2)
 
     for extra, message in [
-        ({"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"}, "may only grow from one layer to several that include it"),
+        ({"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"}, "may only grow from the final layer alone ([-1]) to several layers that include it"),
         ({"head.draft_vocab_size": 8}, "does not fit this recipe's head"),
         ({"head.kind": "medusa"}, "holds eagle heads, but this recipe trains medusa heads"),
     ]:

@@ -73,10 +73,10 @@ def head_config(cfg: TrainConfig, target_config):
 def warm_start(heads, path: str, target) -> None:
     """Start `heads` from the checkpoint at `path` (fitted on this target; same kind and shape).
 
-    One exception to "same shape": an EAGLE head that fuses several target layers may start from a head that
-    reads one of them. Its fuse layer then starts as a selector of that layer, so the new head computes
-    exactly what the old one did, and training only has to learn what the other layers add (EAGLE-3's low
-    layers carry the current token's identity, which copying from the context needs).
+    One exception to "same shape": an EAGLE head that fuses several target layers including the final one
+    (-1) may start from a head that reads -1 alone (EAGLE-1). Its fuse layer then starts as a selector of -1,
+    so the new head computes exactly what the old one did, and training only has to learn what the other
+    layers add (EAGLE-3's low layers carry the current token's identity, which copying from the context needs).
     """
     try:
         source = load_heads(path, target)
@@ -86,18 +86,16 @@ def warm_start(heads, path: str, target) -> None:
         raise ConfigError(f"init_from: {path} holds {source.config.kind} heads, but this recipe trains {heads.config.kind} heads")
     state = source.state_dict()
     if isinstance(heads.config, EagleConfig) and source.config.feature_layers != heads.config.feature_layers:
-        states = target.config.num_hidden_layers + 1  # -1 and num_hidden_layers name the same hidden state
-        old = [i % states for i in source.config.feature_layers]
-        new = [i % states for i in heads.config.feature_layers]
-        if len(old) != 1 or old[0] not in new or len(new) == 1:
+        new = heads.config.feature_layers
+        if source.config.feature_layers != [-1] or -1 not in new:
             raise ConfigError(
-                f"init_from: {path} reads target layers {source.config.feature_layers}, this head {heads.config.feature_layers}; "
-                "a head may only grow from one layer to several that include it (or keep its layers)"
+                f"init_from: {path} reads target layers {source.config.feature_layers}, this head {new}; a head may only "
+                "grow from the final layer alone ([-1]) to several layers that include it (or keep its layers)"
             )
-        hidden, at = heads.config.hidden_size, new.index(old[0])
+        hidden, at = heads.config.hidden_size, new.index(-1)
         selector = torch.zeros(hidden, len(new) * hidden)
         selector[:, at * hidden : (at + 1) * hidden] = torch.eye(hidden)
-        state["fuse.weight"] = selector
+        state = {**heads.state_dict(), **state, "fuse.weight": selector}  # the new layers' norms start as built
     try:
         heads.load_state_dict({name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()})
     except RuntimeError as error:
