@@ -99,6 +99,11 @@ def test_balanced_prompts_reuse_every_answer_already_written(tiny_chat, tmp_path
         if prompt in answered:
             assert row["input_ids"] == answered[prompt]
 
+    # the same target in another dtype writes other greedy text: it answers afresh
+    before = len(asked)
+    build_datasets(data, tokenizer, model.to(torch.bfloat16), "tiny", seed=0)
+    assert len(asked) == before + 12
+
 
 def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     result = train(recipe(tiny_chat, tmp_path / "eagle", eagle_unroll=2))

@@ -103,7 +103,8 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     source = Path(data.path)
     # the file's content, not its modification time: a copied or re-checked-out file keeps its cache
     stamp = hashlib.sha256(source.read_bytes()).hexdigest() if source.is_file() else None
-    key = cache_key(fingerprint, data.__dict__, stamp, seed, getattr(tokenizer, "name_or_path", ""))
+    written_in = str(target.dtype) if data.self_distill else None  # self-distilled text depends on the dtype
+    key = cache_key(fingerprint, data.__dict__, stamp, seed, getattr(tokenizer, "name_or_path", ""), written_in)
     root = Path(data.cache_dir) / f"data-{key}"
     if (root / "train").is_dir() and (root / "eval").is_dir():
         return load_from_disk(str(root / "train")), load_from_disk(str(root / "eval"))
@@ -128,9 +129,9 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         messages, response = rest[i]
         train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
     if data.self_distill:
-        # answers are stored per prompt, keyed on what shapes them only: raising data.self_distill, or
-        # choosing other prompts, reuses every answer already written
-        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS])}"
+        # answers are stored per prompt, keyed on what shapes them only (the dtype too: bf16 greedy text is
+        # not fp32's): raising data.self_distill, or choosing other prompts, reuses every answer already written
+        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS] + [str(target.dtype)])}"
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
         written = self_distill(target, tokenizer, chosen, data, store, is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
