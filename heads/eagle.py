@@ -21,13 +21,15 @@ class EagleHead(nn.Module):
         hidden = config.hidden_size
         n_features = len(config.feature_layers)
         # EAGLE-3 fuses low/mid/high target layers into one feature; EAGLE-1 uses the last layer as it is.
-        self.fuse = nn.Linear(n_features * hidden, hidden, bias=False) if n_features > 1 else nn.Identity()
-        # -1, the final hidden state, comes out of the target's final norm; the others are the raw residual
-        # stream, whose scale grows with depth (SmolLM2-135M: rms 10 at layer 3, 250 at layer 15, one dimension
-        # above 20,000), so they are RMS-normalised before fusing or they swamp the fuse layer and its updates.
-        self.feature_norms = nn.ModuleList(
-            nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers
-        ) if n_features > 1 else None
+        self.fuse, self.feature_norms = None, None
+        if n_features > 1:
+            self.fuse = nn.Linear(n_features * hidden, hidden, bias=False)
+            # -1, the final hidden state, comes out of the target's final norm; the others are the raw residual
+            # stream, whose scale grows with depth (SmolLM2-135M: rms 10 at layer 3, 250 at layer 15, one dimension
+            # above 20,000), so they are RMS-normalised before fusing or they swamp the fuse layer and its updates.
+            self.feature_norms = nn.ModuleList(
+                nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers
+            )
         self.fc = nn.Linear(2 * hidden, hidden)
         self.decoder = LlamaModel(
             LlamaConfig(
@@ -52,7 +54,7 @@ class EagleHead(nn.Module):
 
     def fuse_features(self, feature: torch.Tensor) -> torch.Tensor:
         """The target's hidden states at `config.feature_layers`, concatenated [..., n * H] -> one feature [..., H]."""
-        if self.feature_norms is None:
+        if self.fuse is None:
             return feature
         layers = feature.split(self.config.hidden_size, dim=-1)
         return self.fuse(torch.cat([norm(layer) for norm, layer in zip(self.feature_norms, layers)], dim=-1))

@@ -64,6 +64,11 @@ def as_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> to
     return DTYPES[dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as the command lines spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def warn_if_slow_bfloat16(dtype: torch.dtype, device: str | torch.device, what: str = "bfloat16") -> None:
     """Asking for bfloat16 where it is emulated is legal but costly: say so, and what to pick instead."""
     device_type = torch.device(device).type

@@ -34,6 +34,7 @@ from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_targe
 from inference.calibrate import device_name, load_or_measure  # noqa: E402
 from inference.drafters import medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
+from inference.target import dtype_name  # noqa: E402
 
 METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
 
@@ -230,7 +231,7 @@ def main(argv=None):
     summary = summarise(records, args.methods)
     header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
               f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {str(model.dtype).removeprefix('torch.')}, greedy.")
+              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy.")
     table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods)
     print("\n" + table)
     if args.out:

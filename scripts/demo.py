@@ -19,6 +19,7 @@ from heads import EagleHead, load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import load_or_measure  # noqa: E402
 from inference.numerics import near_tie  # noqa: E402
+from inference.target import dtype_name  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPT = "Explain in a short paragraph why the sky is blue, then list three everyday examples of light scattering."
@@ -35,7 +36,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     model, tokenizer = load_target(dtype=args.dtype)
-    print(f"target in {str(model.dtype).removeprefix('torch.')}")
+    dtype = dtype_name(model.dtype)
+    print(f"target in {dtype}")
     drafters = [PromptLookupDrafter()]
     if Path(args.heads, "config.json").is_file():
         drafters.insert(0, load_heads(args.heads, model))
@@ -68,7 +70,7 @@ def main(argv=None):
         at = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), min(len(out.token_ids), len(reference)))
         if at < min(len(out.token_ids), len(reference)):
             tie, steps = near_tie(model, prompt["input_ids"] + reference[:at], out.token_ids[at], reference[at])
-            print(f"first difference at token {at}: both tokens are within {steps:.1f} {str(model.dtype).removeprefix('torch.')} rounding steps of the target's top logit there"
+            print(f"first difference at token {at}: both tokens are within {steps:.1f} {dtype} rounding steps of the target's top logit there"
                   f" ({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})")
 
 

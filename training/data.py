@@ -131,7 +131,7 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     if data.self_distill:
         # answers are stored per prompt, keyed on what shapes them only (the dtype too: bf16 greedy text is
         # not fp32's): raising data.self_distill, or choosing other prompts, reuses every answer already written
-        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS] + [str(target.dtype)])}"
+        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS] + [written_in])}"
         chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
         written = self_distill(target, tokenizer, chosen, data, store, is_main)
         train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
