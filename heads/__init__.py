@@ -1,7 +1,7 @@
 """What a draft head is: modules, typed configs, checkpoints validated against their target."""
 
 from .config import EagleConfig, HeadConfigError, MedusaConfig, TargetFingerprint
-from .eagle import EagleHead
+from .eagle import NO_COPY, EagleHead, copy_embedding, copy_tokens
 from .io import build_heads, load_heads, save_heads
 from .medusa import MedusaHeads
 from .vocab import DraftVocabulary, most_frequent_tokens
@@ -13,8 +13,11 @@ __all__ = [
     "HeadConfigError",
     "MedusaConfig",
     "MedusaHeads",
+    "NO_COPY",
     "TargetFingerprint",
     "build_heads",
+    "copy_embedding",
+    "copy_tokens",
     "load_heads",
     "most_frequent_tokens",
     "save_heads",

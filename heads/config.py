@@ -69,6 +69,10 @@ class EagleConfig:
 
     `feature_layers` are indices into the target's `hidden_states` tuple (0 = embeddings, -1 = the final,
     normalised hidden state). One index is EAGLE-1; several (low, mid, high) are fused EAGLE-3 style.
+    `copy_input` adds a third input: the embedding of the token that followed the latest earlier occurrence of
+    the current bigram (what prompt lookup would copy; heads.eagle.copy_tokens), so the head only has to learn
+    when the target copies, not how to find what it copies (one attention layer cannot match a token against
+    earlier positions and then read the one after).
     """
 
     hidden_size: int
@@ -83,9 +87,12 @@ class EagleConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
+    copy_input: bool = False
     kind: str = "eagle"
 
     def __post_init__(self):
+        if not isinstance(self.copy_input, bool):
+            raise HeadConfigError(f"EagleConfig.copy_input must be true or false, got {self.copy_input!r}")
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
         _check_draft_vocab(self)

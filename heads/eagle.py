@@ -7,11 +7,39 @@ machinery the target is driven with, and no copied modeling code.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping, Sequence
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from .config import EagleConfig
+
+
+NO_COPY = -1  # no earlier occurrence of the bigram: the copy input is a zero vector
+
+
+def copy_tokens(ids: Sequence[int], start: int = 0, end: int | None = None, successors: MutableMapping | None = None) -> list[int]:
+    """For each pair position t in [start, end) (the head reads token t's feature and token t + 1 there): the
+    token that followed the latest earlier occurrence of the bigram (ids[t], ids[t + 1]), or NO_COPY.
+
+    `successors` maps each bigram seen at positions before `start` to the token after it; it is updated, so
+    a caller that reads a sequence piece by piece (the drafter) passes the same mapping every time.
+    """
+    successors = {} if successors is None else successors
+    end = len(ids) - 1 if end is None else end
+    copies = []
+    for t in range(start, end):
+        if t >= 1:  # the bigram one position back has a known successor now: ids[t + 1]
+            successors[(ids[t - 1], ids[t])] = ids[t + 1]
+        copies.append(successors.get((ids[t], ids[t + 1]), NO_COPY))
+    return copies
+
+
+def copy_embedding(embed: nn.Module, copies: torch.Tensor) -> torch.Tensor:
+    """The target's embeddings of the copy tokens, zero where there is none."""
+    found = copies != NO_COPY
+    return embed(copies.clamp(min=0)) * found[..., None].to(embed.weight.dtype)
 
 
 class EagleHead(nn.Module):
@@ -30,7 +58,7 @@ class EagleHead(nn.Module):
             self.feature_norms = nn.ModuleList(
                 nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers
             )
-        self.fc = nn.Linear(2 * hidden, hidden)
+        self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden)
         self.decoder = LlamaModel(
             LlamaConfig(
                 vocab_size=1,  # inputs come as embeddings; the token table stays the target's
@@ -63,6 +91,7 @@ class EagleHead(nn.Module):
         self,
         feature: torch.Tensor,
         token_embedding: torch.Tensor,
+        copy_embedding: torch.Tensor | None = None,
         *,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
@@ -71,11 +100,15 @@ class EagleHead(nn.Module):
         """(feature of token t, embedding of token t+1) -> predicted feature of token t+1, [B, T, H].
 
         `feature` is the head's own output fed back [B, T, H], or the target's hidden states at
-        `config.feature_layers` concatenated [B, T, n * H], which are fused first (EAGLE-3).
+        `config.feature_layers` concatenated [B, T, n * H], which are fused first (EAGLE-3). With
+        `config.copy_input`, `copy_embedding` [B, T, H] is `copy_embedding(embed, copy_tokens(...))`.
         """
         if feature.shape[-1] != self.config.hidden_size:
             feature = self.fuse_features(feature)
-        x = self.fc(torch.cat([token_embedding, feature], dim=-1))
+        if self.config.copy_input != (copy_embedding is not None):
+            raise ValueError(f"this EAGLE head {'needs' if self.config.copy_input else 'takes no'} copy_embedding (config.copy_input is {self.config.copy_input})")
+        inputs = [token_embedding, feature] + ([copy_embedding] if self.config.copy_input else [])
+        x = self.fc(torch.cat(inputs, dim=-1))
         out = self.decoder(
             inputs_embeds=x,
             position_ids=position_ids,

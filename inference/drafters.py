@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import ChainMap
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from transformers import DynamicCache
 
-from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads
+from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
 
 from .tree import (
     DynamicTreeSpec,
@@ -154,10 +155,12 @@ RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the 
 class EagleDrafter:
     """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
 
-    The head reads pairs (feature of token t, token t+1) at position t. After `observe` its cache holds
-    every committed pair, and `self.last` is its output for the newest one: the predicted feature of the
-    root, whose logits give the depth-1 candidates. `propose` grows the tree depth by depth with tree
-    attention inside the head, then drops the draft entries from the head's cache again.
+    The head reads pairs (feature of token t, token t+1) at position t. `observe` queues the committed
+    pairs; `propose` first feeds them to the head (a head with `copy_input` also reads each pair's copy
+    token, which needs the committed text that `propose` is given), so its cache holds every committed pair
+    and `self.last` is its output for the newest one: the predicted feature of the root, whose logits give
+    the depth-1 candidates. It then grows the tree depth by depth with tree attention inside the head, and
+    drops the draft entries from the head's cache again.
     """
 
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
@@ -172,6 +175,8 @@ class EagleDrafter:
 
     def reset(self) -> None:
         self.cache, self.length, self.last = DynamicCache(), 0, None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed pairs the head has not read yet
+        self.successors: dict[tuple[int, int], int] = {}  # committed bigram -> the token after it (copy_tokens)
         self.levels = self.spec.depth  # with a measured cost: how deep the next tree may grow
         # How far the head's probabilities hold on this sequence: decayed sums of its top depth-1 draft's
         # probability and of how often the target then chose that token (a prior of one right guess).
@@ -188,19 +193,39 @@ class EagleDrafter:
             self.expected = RELIABILITY_DECAY * self.expected + probability
             self.realised = RELIABILITY_DECAY * self.realised + float(int(next_tokens[0]) == token)
             self.guess = None
-        feature = torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1)  # fused inside the head
+        self.pending.append((torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1), next_tokens))  # fused inside the head
+
+    def _read_pending(self, tokens: torch.Tensor) -> None:
+        """Feed the head the pairs observed since the last proposal; `tokens` is the committed text."""
+        feature = torch.cat([f for f, _ in self.pending])
+        next_tokens = torch.cat([t for _, t in self.pending])
+        self.pending = []
         k = next_tokens.shape[0]
+        copies = None
+        if self.head.config.copy_input:
+            found = copy_tokens(tokens.tolist(), self.length, self.length + k, self.successors)
+            copies = copy_embedding(self.embed, torch.tensor(found, device=tokens.device))[None]
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
-        out = self.head(feature[None], self.embed(next_tokens)[None], position_ids=positions[None], past_key_values=self.cache)
+        out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], past_key_values=self.cache)
         self.last, self.length = out[0, -1], self.length + k
+
+    def _draft_copies(self, committed: list[int], paths: list[list[int]]) -> torch.Tensor:
+        """Copy tokens of draft nodes, each given by its path below the root: the committed text continued
+        by the path, read on top of the committed bigrams without changing them."""
+        start = len(committed) - 1  # the root's pair position
+        found = [copy_tokens(committed + path, start, start + len(path), ChainMap({}, self.successors))[-1] for path in paths]
+        return copy_embedding(self.embed, torch.tensor(found, device=self.last.device))
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.vocab.logits(features).float(), dim=-1)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        if self.pending:
+            self._read_pending(tokens)
         depth_limit = min(self.levels, max_depth)
         if depth_limit < 1:
             return root_only(tokens)
+        committed = tokens.tolist() if self.head.config.copy_input else None
         k, device = min(self.spec.top_k, self.vocab.weight.shape[0]), tokens.device  # a draft vocabulary may be tiny
         capacity = 1 + k + (depth_limit - 1) * k * k
         node_tokens = torch.empty(capacity, dtype=torch.long, device=device)
@@ -231,7 +256,10 @@ class EagleDrafter:
             allowed = torch.cat([torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=device), ancestors[frontier][:, fed_nodes]], dim=1)
             mask = additive_mask(allowed, frontier_features.dtype)
             positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=device)  # depth d: length + d - 1
-            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
+            copies = None
+            if committed is not None:  # a node's ancestors, root first, are its path (nodes are numbered by depth)
+                copies = self._draft_copies(committed, [node_tokens[:count][ancestors[node, :count]][1:].tolist() for node in frontier.tolist()])[None]
+            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]
             best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest

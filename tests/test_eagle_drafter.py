@@ -4,7 +4,7 @@ from-scratch recomputation of the head: what it drafts is what the head would dr
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead
+from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
 from inference import DynamicTreeSpec, EagleDrafter, generate
 
 
@@ -21,7 +21,11 @@ def recompute(head, model, tokens, draft_tokens):
                 features = torch.cat([features, out[-1:]])  # the head feeds its own prediction back
                 inputs = torch.cat([inputs, draft_tokens[step - 1 : step]])
             embeds = model.get_input_embeddings()(inputs)
-            out = head(features[None], embeds[None], position_ids=torch.arange(len(inputs))[None])[0]
+            copies = None
+            if head.config.copy_input:  # as training computes them: over the whole text at once
+                text = torch.cat([tokens[:1], inputs]).tolist()
+                copies = copy_embedding(model.get_input_embeddings(), torch.tensor(copy_tokens(text)))[None]
+            out = head(features[None], embeds[None], copies, position_ids=torch.arange(len(inputs))[None])[0]
     return out[-1]
 
 
@@ -35,6 +39,8 @@ class CheckedEagleDrafter(EagleDrafter):
         return super()._log_probs(features)
 
     def propose(self, tokens, max_depth):
+        if self.pending:  # what propose does first: the head reads the pairs observed since the last step
+            self._read_pending(tokens)
         torch.testing.assert_close(self.last, recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
         self.seen = []
         tree = super().propose(tokens, max_depth)
@@ -53,14 +59,27 @@ class CheckedEagleDrafter(EagleDrafter):
         return tree
 
 
+def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
+    ids = [5, 6, 7, 5, 6, 8, 5, 6]
+    # pair t reads tokens t and t+1: (5, 6) at t=3 was seen at t=0, then 7 came; at t=6 the latest is t=3, then 8
+    assert copy_tokens(ids) == [NO_COPY, NO_COPY, NO_COPY, 7, NO_COPY, NO_COPY, 8]
+    assert copy_tokens([4, 4, 4, 4]) == [NO_COPY, 4, 4]  # a run copies itself
+    successors = {}  # read piece by piece, as the drafter does, with the same bigram map
+    assert copy_tokens(ids, 0, 4, successors) + copy_tokens(ids, 4, 7, successors) == copy_tokens(ids)
+    embed = torch.nn.Embedding(10, 3)
+    found = copy_embedding(embed, torch.tensor([NO_COPY, 7]))
+    assert torch.equal(found[0], torch.zeros(3)) and torch.equal(found[1], embed.weight[7])
+
+
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
     model = tiny_model("llama", eos=None)
-    for feature_layers, num_layers in (([-1], 1), ([1, 2, -1], 1), ([-1], 2)):
+    for feature_layers, num_layers, copy_input in (([-1], 1, False), ([1, 2, -1], 1, False), ([-1], 2, False), ([1, -1], 1, True)):
         torch.manual_seed(0)
-        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers, num_layers=num_layers)).eval()
+        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers, num_layers=num_layers, copy_input=copy_input)).eval()
         drafter = CheckedEagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=9))
         drafter.model = model
-        prompt = torch.randint(4, 97, (15,), generator=torch.Generator().manual_seed(1))
+        segment = torch.randint(4, 97, (8,), generator=torch.Generator().manual_seed(1))
+        prompt = torch.cat([segment, torch.tensor([3]), segment[:5]])  # repeated bigrams: copy tokens to find
         generate(model, drafter, prompt, max_new_tokens=12)
         assert drafter.checked_nodes > 30
         assert drafter.cache.get_seq_length() == drafter.length  # draft entries never outlive a step

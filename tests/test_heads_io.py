@@ -121,6 +121,8 @@ def test_saving_over_a_checkpoint_replaces_it_whole(target, tmp_path):
     ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_heads": 0}, "num_heads >= 1"),
     ({"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2, "num_key_value_heads": 2,
       "head_dim": 4, "intermediate_size": 16, "num_layers": 0}, "num_layers must be a whole number >= 1"),
+    ({"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2, "num_key_value_heads": 2,
+      "head_dim": 4, "intermediate_size": 16, "copy_input": "yes"}, "copy_input must be true or false"),
 ])
 def test_bad_head_configs_are_refused(data, message):
     with pytest.raises(HeadConfigError, match=message):

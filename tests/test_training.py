@@ -206,6 +206,18 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
         assert not torch.allclose(fused(torch.cat([low, 1000 * last], -1), tokens, position_ids=positions),
                                   fused(torch.cat([low, last], -1), tokens, position_ids=positions), rtol=1e-2, atol=1e-2)
 
+    # a head may grow a copy input too: its weights start at zero, so whatever is copied, it computes what it did
+    train(recipe(tiny_chat, tmp_path / "copying", max_steps=2, eval_every=2, learning_rate=0, init_from=tmp_path / "one-layer",
+                 **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]", "head.copy_input": "true"}))
+    copying = load_heads(tmp_path / "copying", model)
+    assert copying.config.copy_input and torch.equal(copying.draft_ids, source.draft_ids)
+    with torch.no_grad():
+        for copies in (torch.zeros(1, 5, 64), torch.randn(1, 5, 64)):
+            torch.testing.assert_close(copying(torch.cat([low, last], -1), tokens, copies, position_ids=positions),
+                                       source(last, tokens, position_ids=positions), rtol=0.02, atol=0.02)
+        with pytest.raises(ValueError, match="needs copy_embedding"):
+            copying(torch.cat([low, last], -1), tokens, position_ids=positions)
+
     for extra, message in [
         ({"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"}, "may only grow from the final layer alone ([-1]) to several layers that include it"),
         ({"head.draft_vocab_size": 8}, "does not fit this recipe's head"),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from heads import DraftVocabulary
+from heads import DraftVocabulary, copy_embedding, copy_tokens
 
 
 @torch.no_grad()
@@ -64,15 +64,21 @@ def medusa_loss(heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: 
     return total, metrics
 
 
-def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, features: dict[int, torch.Tensor], input_ids, loss_mask, *, regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int):
+def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, features: dict[int, torch.Tensor], input_ids, loss_mask, *, regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int, copy_input: bool = False):
     """EAGLE: from (feature of token t, token t+1) predict the feature of t+1 and the target's distribution
     after it. With unroll > 1, EAGLE-3's training-time test: step j feeds the head its own step-(j-1)
     predictions, attending to real features before the draft and its own earlier draft steps, exactly as
-    drafting at depth j does."""
+    drafting at depth j does. With `copy_input`, the head also reads what prompt lookup would copy after
+    token t+1 (heads.eagle.copy_tokens); a draft path j deep has the same tokens as the text here, so every
+    unroll step reads the same copies."""
     inputs = torch.cat([features[layer] for layer in layers], dim=-1)[:, :-1]  # fused inside the head
     if head.training and noise > 0:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * noise
     tokens = embed(input_ids[:, 1:]).float()  # the frozen target may run in bf16; the head trains in fp32
+    copies = None
+    if copy_input:
+        found = torch.tensor([copy_tokens(row) for row in input_ids.tolist()], dtype=torch.long, device=input_ids.device)
+        copies = copy_embedding(embed, found).float()
     batch, length = tokens.shape[:2]
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
     valid = loss_mask[:, 1:].bool()  # position t predicts what follows token t+1: a response token
@@ -81,7 +87,7 @@ def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, 
     cache = DynamicCache() if unroll > 1 else None  # holds every step's keys for the later steps
     for step in range(1, unroll + 1):
         mask = None if step == 1 else unroll_mask(length, step, inputs.dtype, input_ids.device)
-        predicted = head(inputs, tokens, position_ids=positions, attention_mask=mask, past_key_values=cache)
+        predicted = head(inputs, tokens, copies, position_ids=positions, attention_mask=mask, past_key_values=cache)
         # a step-j prediction at position t stands for a draft j deep: it exists only where t >= j - 1
         step_valid = valid.clone()
         step_valid[:, : step - 1] = False

@@ -73,10 +73,11 @@ def head_config(cfg: TrainConfig, target_config):
 def warm_start(heads, path: str, target) -> None:
     """Start `heads` from the checkpoint at `path` (fitted on this target; same kind and shape).
 
-    One exception to "same shape": an EAGLE head that fuses several target layers including the final one
+    Two exceptions to "same shape": an EAGLE head that fuses several target layers including the final one
     (-1) may start from a head that reads -1 alone (EAGLE-1). Its fuse layer then starts as a selector of -1,
     so the new head computes exactly what the old one did, and training only has to learn what the other
     layers add (EAGLE-3's low layers carry the current token's identity, which copying from the context needs).
+    And a head with `copy_input` may start from one without: the new input's weights start at zero.
     """
     try:
         source = load_heads(path, target)
@@ -96,6 +97,9 @@ def warm_start(heads, path: str, target) -> None:
         selector = torch.zeros(hidden, len(new) * hidden)
         selector[:, at * hidden : (at + 1) * hidden] = torch.eye(hidden)
         state = {**heads.state_dict(), **state, "fuse.weight": selector}  # the new layers' norms start as built
+    if isinstance(heads.config, EagleConfig) and heads.config.copy_input and not source.config.copy_input:
+        # a head may also grow a copy input: its fc columns start at zero, so it computes what it did
+        state["fc.weight"] = torch.cat([state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : heads.config.hidden_size])], dim=1)
     try:
         heads.load_state_dict({name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()})
     except RuntimeError as error:
@@ -115,7 +119,7 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
     return eagle_loss(
         heads, layers, target.get_input_embeddings(), lm_head, vocab, features, batch["input_ids"], batch["loss_mask"],
         regression_weight=cfg.eagle_regression_weight, ce_weight=cfg.eagle_ce_weight, noise=cfg.eagle_noise,
-        unroll=cfg.eagle_unroll, max_tokens=cfg.loss_tokens,
+        unroll=cfg.eagle_unroll, max_tokens=cfg.loss_tokens, copy_input=bool(cfg.head.get("copy_input", False)),
     )
 
 
