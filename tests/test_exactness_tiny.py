@@ -33,7 +33,9 @@ def random_heads(model):
     # EAGLE-3 fusion with a reduced draft vocabulary: draft indices must map back to the target's ids
     eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, 2, -1], draft_vocab_size=48)).eval()
     eagle3.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:48].sort().values)
-    return medusa.eval(), eagle, eagle3
+    # a copy input (what prompt lookup would copy) beside a low layer, as the shipped head
+    eagle_copy = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
+    return medusa.eval(), eagle, eagle3, eagle_copy
 
 
 @pytest.fixture(scope="module", params=[("llama", "sdpa"), ("qwen2", "eager")], ids=["llama-sdpa", "qwen2-eager"])
@@ -46,7 +48,7 @@ def case(request):
 
 
 def drafters_for(model, prompt, reference):
-    medusa, eagle, eagle3 = random_heads(model)
+    medusa, eagle, eagle3, eagle_copy = random_heads(model)
     full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
     vocab = model.config.vocab_size
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
@@ -57,6 +59,7 @@ def drafters_for(model, prompt, reference):
         "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),  # sized_static_paths' answer on a machine where nothing pays
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
+        "eagle-copy-dynamic": (eagle_copy, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "prompt-lookup": (PromptLookupDrafter(max_ngram=2), None),
         "lookup+eagle-merged": ([eagle, PromptLookupDrafter()], DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
         "oracle-chain-5": (OracleDrafter(full, chain_paths(5), vocab), None),
