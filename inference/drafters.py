@@ -202,18 +202,25 @@ class EagleDrafter:
         self.pending = []
         k = next_tokens.shape[0]
         copies = None
-        if self.head.config.copy_input:
-            found = copy_tokens(tokens.tolist(), self.length, self.length + k, self.successors)
+        if self.head.config.copy_input:  # the bigram map holds the text before; pairs from self.length need one token back
+            offset = max(self.length - 1, 0)
+            found = copy_tokens(tokens[offset:].tolist(), self.length - offset, self.length - offset + k, self.successors)
             copies = copy_embedding(self.embed, torch.tensor(found, device=tokens.device))[None]
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
         out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], past_key_values=self.cache)
         self.last, self.length = out[0, -1], self.length + k
 
-    def _draft_copies(self, committed: list[int], paths: list[list[int]]) -> torch.Tensor:
-        """Copy tokens of draft nodes, each given by its path below the root: the committed text continued
-        by the path, read on top of the committed bigrams without changing them."""
-        start = len(committed) - 1  # the root's pair position
-        found = [copy_tokens(committed + path, start, start + len(path), ChainMap({}, self.successors))[-1] for path in paths]
+    def _draft_copies(self, tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int]) -> torch.Tensor:
+        """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued
+        by each node's path, read on top of the committed bigrams without changing them."""
+        found = []
+        for node in frontier:
+            path = []
+            while node > 0:  # up to the root, node 0
+                path.append(node_tokens[node])
+                node = parents[node]
+            text = tail + path[::-1]
+            found.append(copy_tokens(text, len(tail) - 1, len(text) - 1, ChainMap({}, self.successors))[-1])
         return copy_embedding(self.embed, torch.tensor(found, device=self.last.device))
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,7 @@ class EagleDrafter:
         depth_limit = min(self.levels, max_depth)
         if depth_limit < 1:
             return root_only(tokens)
-        committed = tokens.tolist() if self.head.config.copy_input else None
+        tail = tokens[-2:].tolist() if self.head.config.copy_input else None
         k, device = min(self.spec.top_k, self.vocab.weight.shape[0]), tokens.device  # a draft vocabulary may be tiny
         capacity = 1 + k + (depth_limit - 1) * k * k
         node_tokens = torch.empty(capacity, dtype=torch.long, device=device)
@@ -257,8 +264,8 @@ class EagleDrafter:
             mask = additive_mask(allowed, frontier_features.dtype)
             positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=device)  # depth d: length + d - 1
             copies = None
-            if committed is not None:  # a node's ancestors, root first, are its path (nodes are numbered by depth)
-                copies = self._draft_copies(committed, [node_tokens[:count][ancestors[node, :count]][1:].tolist() for node in frontier.tolist()])[None]
+            if tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
+                copies = self._draft_copies(tail, node_tokens[:count].tolist(), parents[:count].tolist(), frontier.tolist())[None]
             out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]

@@ -71,6 +71,22 @@ def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
     assert torch.equal(found[0], torch.zeros(3)) and torch.equal(found[1], embed.weight[7])
 
 
+def test_draft_nodes_copy_along_their_own_paths():
+    model = tiny_model("llama", eos=None)
+    drafter = EagleDrafter(EagleHead(EagleConfig.for_target(model.config, copy_input=True)).eval(), model)
+    committed = [5, 6, 7, 8, 5, 6, 9, 7, 8]  # the root is the last 8
+    copy_tokens(committed, successors=drafter.successors)  # the bigram map as reading the committed pairs leaves it
+    before = dict(drafter.successors)
+    drafter.last = torch.zeros(1)
+    # root -> 5 -> 6 -> 7 and root -> 9: (8, 5) was followed by 6, then (5, 6) latest by 9, (6, 7) by 8; (8, 9) never seen
+    node_tokens, parents, frontier = [8, 5, 9, 6, 7], [-1, 0, 0, 1, 3], [1, 2, 3, 4]
+    found = drafter._draft_copies(committed[-2:], node_tokens, parents, frontier)
+    expected = [6, NO_COPY, 9, 8]
+    assert [copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7])] == expected  # the whole-text reading
+    assert torch.equal(found, copy_embedding(model.get_input_embeddings(), torch.tensor(expected)))
+    assert drafter.successors == before  # drafts leave the committed map alone
+
+
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
     model = tiny_model("llama", eos=None)
     for feature_layers, num_layers, copy_input in (([-1], 1, False), ([1, 2, -1], 1, False), ([-1], 2, False), ([1, -1], 1, True)):
