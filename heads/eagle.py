@@ -95,7 +95,7 @@ class EagleHead(nn.Module):
         *,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
     ) -> torch.Tensor:
         """(feature of token t, embedding of token t+1) -> predicted feature of token t+1, [B, T, H].
 
@@ -113,7 +113,7 @@ class EagleHead(nn.Module):
             inputs_embeds=x,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            use_cache=past_key_values is not None,
+            cache=cache,
+            use_cache=cache is not None,
         )
         return out.last_hidden_state

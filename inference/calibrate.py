@@ -70,11 +70,11 @@ def measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None =
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (context + 1,), generator=generator).to(model.device)
     cache = new_cache(model)  # holds `context` tokens; the last token is the root of every draft
-    prefill = model(input_ids=tokens[None, :context], past_key_values=cache, use_cache=True, output_hidden_states=head is not None)
+    prefill = model(input_ids=tokens[None, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
 
     def verify(k: int):
         tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
-        model(input_ids=tree.tokens[None], past_key_values=cache, use_cache=True,
+        model(input_ids=tree.tokens[None], cache=cache, use_cache=True,
               position_ids=position_ids(tree, context), attention_mask=attention_mask(tree, context, model.dtype))
         cache.crop(-k)
 

@@ -207,7 +207,7 @@ class EagleDrafter:
             found = copy_tokens(tokens[offset:].tolist(), self.length - offset, self.length - offset + k, self.successors)
             copies = copy_embedding(self.embed, torch.tensor(found, device=tokens.device))[None]
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
-        out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], past_key_values=self.cache)
+        out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], cache=self.cache)
         self.last, self.length = out[0, -1], self.length + k
 
     def _draft_copies(self, tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int]) -> torch.Tensor:
@@ -266,7 +266,7 @@ class EagleDrafter:
             copies = None
             if tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
                 copies = self._draft_copies(tail, node_tokens[:count].tolist(), parents[:count].tolist(), frontier.tolist())[None]
-            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask[None, None], past_key_values=self.cache)[0]
+            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask[None, None], cache=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]
             best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest

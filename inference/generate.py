@@ -86,7 +86,7 @@ def generate(
 
     def forward(input_ids, **kwargs):
         started = clock()
-        out = model(input_ids=input_ids[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs)
+        out = model(input_ids=input_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs)
         stats.target_seconds += clock() - started
         stats.target_forwards += 1
         return out

@@ -87,7 +87,7 @@ def eagle_loss(head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, 
     cache = DynamicCache() if unroll > 1 else None  # holds every step's keys for the later steps
     for step in range(1, unroll + 1):
         mask = None if step == 1 else unroll_mask(length, step, inputs.dtype, input_ids.device)
-        predicted = head(inputs, tokens, copies, position_ids=positions, attention_mask=mask, past_key_values=cache)
+        predicted = head(inputs, tokens, copies, position_ids=positions, attention_mask=mask, cache=cache)
         # a step-j prediction at position t stands for a draft j deep: it exists only where t >= j - 1
         step_valid = valid.clone()
         step_valid[:, : step - 1] = False
