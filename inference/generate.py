@@ -74,7 +74,7 @@ def generate(
     first receives the prompt, then the tokens as they are accepted.
     """
     sampling = Sampling(temperature, top_k, top_p)
-    _check_attention(model)
+    _check_model(model)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(heads, model, tree)
     drafter.reset()
@@ -149,12 +149,20 @@ def _last_logit_only(model) -> dict:
 TREE_ATTENTION = ("sdpa", "eager")  # the kernels that honour an arbitrary additive 4D mask
 
 
-def _check_attention(model) -> None:
+def _check_model(model) -> None:
+    """Refuse a model the loop cannot drive exactly: a kernel that ignores 4D masks, or no `cache` argument."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in TREE_ATTENTION:
         raise ValueError(
             f"tree verification needs a custom 4D attention mask, which attn_implementation={implementation!r} "
             f"does not take; load the model with attn_implementation='sdpa' (or 'eager')"
+        )
+    # a forward that swallowed `cache` into **kwargs would decode every pass without its past: wrong, silently
+    if "cache" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"{type(model).__name__}.forward takes no `cache` argument, which is how transformers >= 5.24 passes "
+            f"the KV cache (older modeling code, e.g. a trust_remote_code model, calls it past_key_values); "
+            f"use the model's class from transformers itself"
         )
 
 

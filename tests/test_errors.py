@@ -80,6 +80,18 @@ def test_attention_kernels_that_ignore_a_4d_mask_are_refused(model):
         model.config._attn_implementation = "sdpa"
 
 
+def test_a_model_whose_forward_takes_no_cache_argument_is_refused(model):
+    class OldModelingCode(torch.nn.Module):  # modeling code from before transformers 5.24 named it past_key_values
+        config = model.config
+
+        def forward(self, input_ids, past_key_values=None, **kwargs):  # a `cache=` would land in kwargs, unused
+            kwargs.pop("cache", None)
+            return model(input_ids, past_key_values=past_key_values, **kwargs)
+
+    with pytest.raises(ValueError, match="takes no `cache` argument"):
+        generate(OldModelingCode(), None, PROMPT)
+
+
 def test_a_tokenizer_output_is_accepted_as_prompt(model):
     assert generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids == \
         generate(model, None, PROMPT, max_new_tokens=3).token_ids
