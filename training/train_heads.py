@@ -216,7 +216,7 @@ def main(argv=None):
         train_set = WithFeatures(rows, store)
         accelerator.print(f"features: {sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
-        return {"steps": 0, "history": [], "output": None, "weights_sha256": None}
+        return {"steps": 0, "resumed_from": 0, "history": [], "output": None, "weights_sha256": None}
     if heads.draft_ids is not None and not cfg.init_from:  # the draft vocabulary: the most frequent tokens of the training answers
         ids, covered, total = most_frequent_tokens(
             ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in rows), config.draft_vocab_size, config.vocab_size
@@ -239,16 +239,17 @@ def main(argv=None):
     draft_ids = accelerator.unwrap_model(heads).draft_ids  # after prepare: on the training device
     accelerator.init_trackers("specheads", config={k: str(v) for k, v in cfg.to_dict().items()})
 
-    state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0}
-    history = []  # evaluation results of this run, returned to callers (tests, notebooks)
+    # the held-out curve lives in the checkpointed state, so a resumed run's checkpoint keeps all of it
+    state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0, "eval_history": []}
     if args.resume:
         last = latest_checkpoint(checkpoints)
         if last is None:
             accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting from scratch")
         else:
             accelerator.load_state(str(last))
-            state = json.loads((last / "trainer_state.json").read_text())
+            state = {"eval_history": [], **json.loads((last / "trainer_state.json").read_text())}
             accelerator.print(f"resumed from {last} (step {state['step']})")
+    resumed_from, history = state["step"], state["eval_history"]
 
     progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process)
     started, metrics = time.perf_counter() - state["train_seconds"], {}
@@ -303,7 +304,7 @@ def main(argv=None):
             ]
         training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
                     "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"])),
-                    # the held-out curve travels with the weights (a resumed run's covers its own part only)
+                    # the held-out curve travels with the weights
                     "eval_history": [{k: round(v, 4) for k, v in entry.items()} for entry in history]}
         save_heads(model, output, target, training=training)
         accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
@@ -313,7 +314,7 @@ def main(argv=None):
     accelerator.end_training()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return {"steps": state["step"], "history": history, "output": str(output), "weights_sha256": digest}
+    return {"steps": state["step"], "resumed_from": resumed_from, "history": history, "output": str(output), "weights_sha256": digest}
 
 
 if __name__ == "__main__":
