@@ -214,7 +214,8 @@ def main(argv=None):
         run(warm[:16])
 
     records = []
-    for q in tqdm(questions, desc="questions"):
+    progress = tqdm(questions, desc="questions")
+    for q in progress:
         answers = []
         for turn in range(len(q["turns"])):
             prompt = chat_prompt(tokenizer, q["turns"][: turn + 1], answers)
@@ -225,6 +226,8 @@ def main(argv=None):
                 record["divergence"] = {name: divergence(model, prompt, tokens, record["tokens"]["hf"])
                                         for name, tokens in record["tokens"].items() if tokens != record["tokens"]["hf"]}
             records.append(record)
+            overall = summarise(records, args.methods)["overall"]  # a long run shows where it is heading
+            progress.set_postfix({f"tau {m}": f"{s['tau']:.2f}" for m, s in overall.items() if s["tau"] is not None})
             first = record["tokens"][args.methods[0]]  # the baseline's answer is fed back to every method
             answers.append(tokenizer.decode(first, skip_special_tokens=True))
 
