@@ -158,14 +158,15 @@ def chart(summary, methods, path):
     import matplotlib.pyplot as plt
 
     categories = sorted(summary, key=lambda c: (c == "overall", c))
-    key = "speedup" if "hf" in methods else "tokens_per_second"
+    # without the baseline there is no speedup, and tau (new tokens per target pass) is what the machine does not change
+    key = "speedup" if "hf" in methods else "tau" if all(summary["overall"][m]["tau"] for m in methods) else "tokens_per_second"
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories)), 4))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         values = [summary[c][m].get(key) or 0 for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], [c.replace("mt_bench/", "mt-") for c in categories], rotation=30, ha="right")
-    ax.set_ylabel("speedup over HF greedy" if key == "speedup" else "tokens/s")
+    ax.set_ylabel({"speedup": "speedup over HF greedy", "tau": "tau (new tokens per target pass)", "tokens_per_second": "tokens/s"}[key])
     if key == "speedup":
         ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
