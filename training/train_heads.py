@@ -247,7 +247,7 @@ def main(argv=None):
             accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting from scratch")
         else:
             accelerator.load_state(str(last))
-            state = {"eval_history": [], **json.loads((last / "trainer_state.json").read_text())}
+            state = {**state, **json.loads((last / "trainer_state.json").read_text())}  # older checkpoints lack eval_history
             accelerator.print(f"resumed from {last} (step {state['step']})")
     resumed_from, history = state["step"], state["eval_history"]
 
