@@ -284,6 +284,8 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),
     (["--target_dtype", "bf32"], "target_dtype must be one of"),
     (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
+    (["--keep_checkpoints", "0"], "keep_checkpoints must be >= 1"),  # pruning to the newest 0 (or -1) deleted each checkpoint
+    (["--keep_checkpoints", "-1"], "keep_checkpoints must be >= 1"),
 ])
 def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:

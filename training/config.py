@@ -119,7 +119,8 @@ class TrainConfig:
         for name in ("cache_features", "group_by_length", "medusa_soft_labels"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "eagle_unroll"):
+        # keep_checkpoints too: the pruning keeps the newest N, and N < 1 would delete each checkpoint as it is written
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "keep_checkpoints", "eagle_unroll"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -16,8 +16,10 @@ import os
 import random
 from pathlib import Path
 
+import pyarrow
 import torch
 from datasets import Dataset, load_dataset, load_from_disk
+from datasets.exceptions import DatasetGenerationError
 from tqdm.auto import tqdm
 
 from .config import ConfigError, DataConfig
@@ -31,17 +33,70 @@ def load_records(data: DataConfig) -> Dataset:
     """The raw prompt records, from a local file or (for users with network) a hub dataset."""
     path = Path(data.path)
     if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise ConfigError(f"data file {path} not found; set data.path to a .jsonl, .json or .parquet file or a hub dataset name")
-        records = load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        records = load_local_file(path)
     elif path.exists():
         raise ConfigError(f"data.path {path} is not a .jsonl, .json or .parquet file")
     else:
         records = load_dataset(data.path, split=data.split)
+    if len(records) == 0:
+        raise ConfigError(f"{data.path} holds no records; set data.path to a file (or split) of prompt records")
     field = data.messages_field or data.prompt_field
     if field not in records.column_names:
         raise ConfigError(f"{data.path} has no {field!r} field (columns: {records.column_names}); set data.prompt_field or data.messages_field")
     return records
+
+
+def load_local_file(path: Path) -> Dataset:
+    """A local file's records. A malformed file is named here, with the line: datasets' own error names neither."""
+    if not path.is_file():
+        raise ConfigError(f"data file {path} not found; set data.path to a .jsonl, .json or .parquet file or a hub dataset name")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data file {path} is empty; it should hold prompt records (one JSON object per line for .jsonl)")
+    if path.suffix in (".jsonl", ".json"):
+        check_json_file(path)
+    try:
+        return load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    except (DatasetGenerationError, pyarrow.ArrowException) as error:
+        raise ConfigError(f"data file {path} cannot be read as {path.suffix[1:]} ({error.__cause__ or error}); check that it is "
+                          "a complete file of that format, or convert it to .jsonl with one JSON object per line") from None
+
+
+def check_json_file(path: Path) -> None:
+    """A .jsonl file holds one JSON object per line; a .json file one JSON document (a list of records) or, as
+    datasets reads it too, JSON Lines."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # datasets skips a byte-order mark too
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8") from None
+    if path.suffix == ".json":
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            if error.msg != "Extra data":  # "Extra data": a first complete value, then more: JSON Lines
+                raise ConfigError(f"data file {path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+                                  "a .json file holds a list of records [{...}, ...]; fix the file or name it .jsonl, one record per line") from None
+        else:
+            if document in ([], {}):
+                raise ConfigError(f"data file {path} holds no records; it should hold a list of prompt records [{{...}}, ...]")
+            return
+    check_json_lines(path, text)
+
+
+def check_json_lines(path: Path, text: str) -> None:
+    records = 0
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028 unescaped
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"data file {path}, line {number}: not valid JSON ({error.msg}, column {error.colno}); each line must "
+                              "be one complete JSON object: fix or delete that line") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"data file {path}, line {number}: a JSON {type(record).__name__}, not an object {{...}}; each line must be one record")
+        records += 1
+    if not records:
+        raise ConfigError(f"data file {path} holds no records; it should hold one JSON object per line")
 
 
 def conversation(record: dict, data: DataConfig) -> tuple[list[dict], str | None]:

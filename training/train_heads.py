@@ -5,7 +5,8 @@
 
 One process, several processes (data parallel) or DeepSpeed ZeRO all go through accelerate; the loop below
 does not know which. Checkpoints (`<output_dir>.train-state/step-N`) are written atomically every
-`save_every` steps; `--resume` continues from the newest with the same data order and random state.
+`save_every` steps; `--resume` continues from the newest with the same data order and random state (and
+trains nothing when that one already ran its steps). A loss or weights that stop being finite end the run.
 The final heads are written to `output_dir` with `heads.save_heads` (config.json + model.safetensors).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -33,6 +35,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, dataclass_from_dict
+from heads.io import check_output_dir, non_finite_parameters
 from inference import load_target
 from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
@@ -160,6 +163,43 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def checkpoint_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+def run_is_over(state: dict, cfg: TrainConfig) -> bool:
+    out_of_time = cfg.max_minutes is not None and state["train_seconds"] > 60 * cfg.max_minutes
+    return state["step"] >= cfg.max_steps or out_of_time
+
+
+def check_state_dir(root: Path) -> None:
+    """Checkpoints go to `root`: it must be a folder, or a path where one can be made."""
+    for path in [root, *root.parents]:
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"cannot keep training checkpoints in {root}: {path} is a file, not a folder; set state_dir (or output_dir) elsewhere")
+            return
+
+
+def remove_stale_staging(root: Path) -> None:
+    """A run killed while writing a checkpoint leaves its staging folder behind (save_checkpoint names them)."""
+    for staging in root.glob(".step-*.tmp"):
+        shutil.rmtree(staging)
+
+
+def diverged(step: int, problem: str, cfg: TrainConfig, root: Path) -> str:
+    """The message that stops a run whose loss or weights are no longer finite."""
+    again = f"train again (after moving {root} away)" if latest_checkpoint(root) else "train again"
+    return (f"training diverged at step {step}: {problem}; nothing from this step on was saved. Lower learning_rate "
+            f"(now {cfg.learning_rate}) or raise warmup_steps (now {cfg.warmup_steps}) and {again}")
+
+
+def shut_down(accelerator) -> None:
+    accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a recipe in configs/*.yaml")
@@ -168,6 +208,10 @@ def main(argv=None):
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
+        checkpoints = Path(cfg.state_dir or f"{cfg.output_dir}.train-state")
+        if not args.prepare_data:  # refused now, not after hours of training
+            check_output_dir(cfg.output_dir)
+            check_state_dir(checkpoints)
     except HeadConfigError as error:
         parser.error(str(error))
 
@@ -181,16 +225,25 @@ def main(argv=None):
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
-        project_dir=cfg.state_dir or f"{cfg.output_dir}.train-state",  # tracker logs live beside the checkpoints
+        project_dir=str(checkpoints),  # tracker logs live beside the checkpoints
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if distributed_cpu else None,
     )
     set_seed(cfg.seed)
     output = Path(cfg.output_dir)
-    checkpoints = Path(cfg.state_dir or f"{cfg.output_dir}.train-state")
-    if not args.resume and not args.prepare_data and latest_checkpoint(checkpoints) is not None:
+    newest = latest_checkpoint(checkpoints)
+    if not args.resume and not args.prepare_data and newest is not None:
         # a fresh run would mix its checkpoints with the earlier run's (and prune the wrong ones)
         parser.error(f"{checkpoints} holds checkpoints of an earlier run: pass --resume to continue it, or move it away to start afresh")
+    if args.resume and not args.prepare_data and newest is not None and (output / "config.json").is_file():
+        done = checkpoint_state(newest)
+        if run_is_over(done, cfg):  # resuming would train past the end and overwrite the finished heads
+            accelerator.print(f"the run is finished (step {done['step']}, max_steps {cfg.max_steps}); its heads are at {output}. "
+                              "Raise --max_steps (or --max_minutes) to train further.")
+            shut_down(accelerator)
+            return {"steps": done["step"], "resumed_from": done["step"], "history": done.get("eval_history", []), "output": str(output), "weights_sha256": None}
+    if accelerator.is_main_process:
+        remove_stale_staging(checkpoints)
 
     target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
     target.requires_grad_(False)
@@ -242,19 +295,19 @@ def main(argv=None):
     # the held-out curve lives in the checkpointed state, so a resumed run's checkpoint keeps all of it
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "train_seconds": 0.0, "eval_history": []}
     if args.resume:
-        last = latest_checkpoint(checkpoints)
-        if last is None:
+        if newest is None:
             accelerator.print(f"--resume: no checkpoint in {checkpoints}, starting from scratch")
         else:
-            accelerator.load_state(str(last))
-            state = {**state, **json.loads((last / "trainer_state.json").read_text())}  # older checkpoints lack eval_history
-            accelerator.print(f"resumed from {last} (step {state['step']})")
+            accelerator.load_state(str(newest))
+            state = {**state, **checkpoint_state(newest)}  # older checkpoints lack eval_history
+            accelerator.print(f"resumed from {newest} (step {state['step']})")
     resumed_from, history = state["step"], state["eval_history"]
 
     progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process)
     started, metrics = time.perf_counter() - state["train_seconds"], {}
     heads.train()
-    finished = False
+    # a run killed after its last checkpoint but before writing its heads trains nothing more: they are written below
+    finished = run_is_over(state, cfg)
     while not finished:
         loader.set_epoch(state["epoch"])
         epoch_loader = accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
@@ -273,11 +326,14 @@ def main(argv=None):
             state["step"] += 1
             state["train_seconds"] = time.perf_counter() - started
             progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")})
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                progress.close()
+                parser.error(diverged(state["step"], f"the loss is {loss_value}", cfg, checkpoints))
+            progress.set_postfix(loss=f"{loss_value:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")})
             if state["step"] % cfg.log_every == 0:
-                accelerator.log({"train/loss": loss.item(), "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}, step=state["step"])
-            out_of_time = cfg.max_minutes is not None and state["train_seconds"] > 60 * cfg.max_minutes
-            finished = state["step"] >= cfg.max_steps or out_of_time
+                accelerator.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}, step=state["step"])
+            finished = run_is_over(state, cfg)
             if state["step"] % cfg.eval_every == 0 or finished:
                 results = evaluate(cfg, heads, layers, draft_ids, target, eval_loader, accelerator)
                 accelerator.log(results, step=state["step"])
@@ -285,6 +341,10 @@ def main(argv=None):
                 if accelerator.is_main_process:
                     progress.write(f"step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
             if state["step"] % cfg.save_every == 0 or finished:
+                broken = non_finite_parameters(accelerator.unwrap_model(heads).state_dict())
+                if broken:  # the loss was finite, the update that followed was not
+                    progress.close()
+                    parser.error(diverged(state["step"], f"the weights hold NaN or infinity ({', '.join(broken[:3])})", cfg, checkpoints))
                 save_checkpoint(accelerator, checkpoints, state, cfg.keep_checkpoints)
             if finished:
                 break
@@ -306,14 +366,15 @@ def main(argv=None):
                     "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"])),
                     # the held-out curve travels with the weights
                     "eval_history": [{k: round(v, 4) for k, v in entry.items()} for entry in history]}
-        save_heads(model, output, target, training=training)
+        try:  # the output folder is checked at the start, but something may have been put there since
+            save_heads(model, output, target, training=training)
+        except HeadConfigError as error:
+            parser.error(str(error))
         accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
     # every rank reports its weights: data-parallel ranks must end identical
     digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in accelerator.unwrap_model(heads).parameters())).hexdigest()
     print(f"rank {accelerator.process_index}: weights sha256 {digest[:16]}", flush=True)
-    accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    shut_down(accelerator)
     return {"steps": state["step"], "resumed_from": resumed_from, "history": history, "output": str(output), "weights_sha256": digest}
 
 
