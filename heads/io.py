@@ -20,6 +20,43 @@ from .medusa import MedusaHeads
 
 FORMAT_VERSION = 1
 CHECKPOINT_KEYS = {"format_version", "head", "target", "training"}
+CHECKPOINT_FILES = {"config.json", "model.safetensors"}
+
+
+def non_finite_parameters(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors in `state` holding NaN or infinity."""
+    return [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Refuse to write heads where that would delete or overwrite what this project did not write.
+
+    `path` may be new, an empty folder, or a head checkpoint of ours (config.json + model.safetensors and
+    nothing else), which is replaced atomically. Whatever is in the way of creating it is named.
+    """
+    path = Path(path)
+    for parent in [path, *path.parents]:
+        if parent.exists() or parent.is_symlink():
+            if parent != path and not parent.is_dir():
+                raise HeadConfigError(f"cannot write heads to {path}: {parent} is a file, not a folder; choose another output_dir")
+            break
+    if path.exists() and not path.is_dir():
+        raise HeadConfigError(f"cannot write heads to {path}: a file of that name exists; choose another output_dir or move the file away")
+    if path.is_dir():
+        entries = {entry.name for entry in path.iterdir()}
+        foreign = sorted(entries - CHECKPOINT_FILES)
+        if foreign or (entries and "config.json" not in entries):
+            shown = ", ".join(foreign[:5] or sorted(entries)) + (", ..." if len(foreign) > 5 else "")
+            raise HeadConfigError(
+                f"cannot write heads to {path}: it holds files that are not a head checkpoint ({shown}), which "
+                "writing would delete; choose a new or empty output_dir"
+            )
+        if entries:
+            try:
+                read_checkpoint_config(path)
+            except HeadConfigError as error:
+                raise HeadConfigError(f"cannot write heads to {path}: it is not a head checkpoint of this project ({error}); choose a new or empty output_dir") from None
+    return path
 
 
 def build_heads(config) -> MedusaHeads | EagleHead:
@@ -34,8 +71,12 @@ def save_heads(
     training: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write `heads` to directory `path`; a crash mid-write leaves any previous checkpoint there intact."""
-    path = Path(path)
+    """Write `heads` to directory `path`; a crash mid-write leaves any previous checkpoint there intact.
+
+    `path` must be new, empty, or a head checkpoint (check_output_dir): nothing else is ever replaced. Heads
+    with non-finite weights (a diverged training run) are refused: they would draft nothing useful.
+    """
+    path = check_output_dir(path)
     config = {
         "format_version": FORMAT_VERSION,
         "head": dataclasses.asdict(heads.config),
@@ -46,6 +87,9 @@ def save_heads(
         name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
         for name, tensor in heads.state_dict().items()
     }
+    broken = non_finite_parameters(state)
+    if broken:
+        raise HeadConfigError(f"refusing to save heads with NaN or infinite weights ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): training diverged")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is an ordinary directory
@@ -112,6 +156,12 @@ def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
             f"{path}/model.safetensors cannot be read ({error}): the checkpoint is missing, corrupted or "
             "half-written. Re-save or re-download it."
         ) from None
+    broken = non_finite_parameters(state)
+    if broken:
+        raise HeadConfigError(
+            f"{path}/model.safetensors holds NaN or infinite weights ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): "
+            "the training run that wrote it diverged. Train again (a lower learning_rate) or use another checkpoint."
+        )
     heads = build_heads(head_config)
     try:
         heads.load_state_dict(state)

@@ -33,6 +33,7 @@ from .tree import (
     select_best_nodes,
     static_tree,
     subtree,
+    verifiable_tree,
 )
 
 
@@ -70,13 +71,28 @@ class NoDrafter(TokenDrafter):
         return root_only(tokens)
 
 
-def _check_head_fits(config, model, what: str) -> None:
-    target = model.config
+def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """A head's log-probabilities in float32, -inf where they are NaN (non-finite weights): impossible drafts."""
+    return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))
+
+
+def _check_head_fits(heads, model, what: str) -> None:
+    config, target = heads.config, model.config
     if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
         raise HeadConfigError(
             f"{what} expects hidden size {config.hidden_size} and vocab {config.vocab_size}, but the target "
             f"{getattr(target, '_name_or_path', '') or target.model_type!r} has {target.hidden_size} and "
             f"{target.vocab_size}: these heads were built for another base model"
+        )
+    states = target.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer's output
+    bad = [layer for layer in getattr(config, "feature_layers", []) if not -states <= layer < states]
+    if bad:
+        raise HeadConfigError(f"{what} reads target layers {bad}, but the target has {states} hidden states (indices {-states}..{states - 1})")
+    parameter = next(heads.parameters())
+    if (parameter.dtype, parameter.device) != (model.dtype, model.device):
+        raise HeadConfigError(
+            f"{what} are in {parameter.dtype} on {parameter.device} but the target is in {model.dtype} on {model.device} "
+            f"(was the model moved or cast after its heads were loaded?): call heads.to(device=model.device, dtype=model.dtype)"
         )
 
 
@@ -107,7 +123,7 @@ class MedusaDrafter:
     hidden_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads, model, tree=None):
-        _check_head_fits(heads.config, model, "these Medusa heads")
+        _check_head_fits(heads, model, "these Medusa heads")
         k = heads.config.num_heads
         if tree is None:
             tree = medusa_tree_spec(heads)
@@ -116,6 +132,8 @@ class MedusaDrafter:
         if self.tree is not None and self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
+        if self.tree is not None and self.tree.max_rank >= self.vocab.weight.shape[0]:
+            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {self.vocab.weight.shape[0]} tokens; use lower ranks")
         self.hidden = None
 
     def reset(self) -> None:
@@ -133,8 +151,8 @@ class MedusaDrafter:
             depth = 0
         if depth < 1:
             return root_only(tokens)
-        logits = self.vocab.logits(self.heads(self.hidden)[:depth]).float()  # [depth, N], one projection
-        top = torch.log_softmax(logits, dim=-1).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
+        logits = self.vocab.logits(self.heads(self.hidden)[:depth])  # [depth, N], one projection
+        top = log_probabilities(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
         tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
         if tree is None:
             return root_only(tokens)
@@ -149,7 +167,8 @@ class MedusaDrafter:
 cached_static_tree = functools.lru_cache(maxsize=4096)(static_tree)  # a step's shape recurs often: build each once
 
 
-RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
+RELIABILITY_DECAY = 0.9
+MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)  # the head's reliability is estimated over roughly the last ten steps
 
 
 class EagleDrafter:
@@ -164,10 +183,17 @@ class EagleDrafter:
     """
 
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
-        _check_head_fits(head.config, model, "this EAGLE head")
+        _check_head_fits(head, model, "this EAGLE head")
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
             raise TreeError(f"the EAGLE drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
         self.spec = tree or DynamicTreeSpec()
+        k = min(self.spec.top_k, head.config.draft_vocab_size or head.config.vocab_size)
+        candidates = 1 + k + (self.spec.depth - 1) * k * k  # every level's children before the best are kept
+        if candidates > MAX_CANDIDATES:
+            raise TreeError(
+                f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate nodes a step "
+                f"(more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
+            )
         self.head = head
         self.embed, self.vocab = model.get_input_embeddings(), DraftVocabulary(model.get_output_embeddings(), head.draft_ids)
         self.hidden_layers = tuple(head.config.feature_layers)
@@ -224,7 +250,7 @@ class EagleDrafter:
         return copy_embedding(self.embed, torch.tensor(found, device=self.last.device))
 
     def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.vocab.logits(features).float(), dim=-1)
+        return log_probabilities(self.vocab.logits(features))
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         if self.pending:
@@ -340,13 +366,19 @@ class MergedDrafter:
             drafter.observe(hidden, next_tokens)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        spans = [d.propose(tokens, max_depth) for d in self.token_drafters]
+        spans = [self._propose(d, tokens, max_depth) for d in self.token_drafters]
         head_depth = min(1, max_depth) if any(getattr(d, "trusted", False) for d in self.token_drafters) else max_depth
-        trees = [d.propose(tokens, head_depth) for d in self.head_drafters] + spans
+        trees = [self._propose(d, tokens, head_depth) for d in self.head_drafters] + spans
         tree = trees[0]
         for other in trees[1:]:
             tree = merge_trees(tree, other)
         return tree
+
+    @staticmethod
+    def _propose(drafter: Drafter, tokens: torch.Tensor, max_depth: int) -> Tree:
+        """The loop checks the merged tree; a foreign drafter's own tree is checked first, so an error names it."""
+        tree = drafter.propose(tokens, max_depth)
+        return tree if isinstance(drafter, OWN_DRAFTERS) else verifiable_tree(tree, tokens[-1], None, max_depth, drafter_name(drafter))
 
 
 class OracleDrafter(TokenDrafter):
@@ -371,8 +403,19 @@ class OracleDrafter(TokenDrafter):
         return self.tree.fill(tokens[-1], candidates).truncate(depth)
 
 
+OWN_DRAFTERS = (NoDrafter, MedusaDrafter, EagleDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
+
+
+def drafter_name(drafter) -> str:
+    if isinstance(drafter, MergedDrafter):
+        return f"MergedDrafter({', '.join(drafter_name(d) for d in drafter.drafters)})"
+    return type(drafter).__name__
+
+
 def as_drafter(heads, model, tree=None) -> Drafter:
     """What generate() accepts as `heads`: None, loaded heads, a drafter, or a list of them to merge."""
+    if isinstance(heads, type):
+        raise TypeError(f"heads is the class {heads.__name__}, not a drafter: pass an instance, e.g. {heads.__name__}()")
     if heads is None:
         if tree is not None:
             raise TreeError("a tree was given but no heads or drafter to fill it")

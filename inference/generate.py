@@ -11,8 +11,8 @@ import torch
 
 from .accept import Sampling, accept, target_tokens
 from .cache import keep_path, new_cache
-from .drafters import as_drafter
-from .tree import attention_mask, position_ids
+from .drafters import as_drafter, drafter_name
+from .tree import attention_mask, position_ids, verifiable_tree
 
 
 @dataclass
@@ -78,6 +78,7 @@ def generate(
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(heads, model, tree)
     drafter.reset()
+    name, vocab_size = drafter_name(drafter), model.config.vocab_size
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device)
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
     layers, stats, clock = drafter.hidden_layers, GenerationStats(), time.perf_counter
@@ -121,8 +122,10 @@ def generate(
         observe(out.hidden_states, slice(None), tokens[1:length])
     while not done:
         started = clock()
-        tree = drafter.propose(tokens[:length], max_depth=max_new_tokens - (length - prompt.shape[0]) - 1)
+        max_depth = max_new_tokens - (length - prompt.shape[0]) - 1
+        proposed = drafter.propose(tokens[:length], max_depth)
         stats.draft_seconds += clock() - started
+        tree = verifiable_tree(proposed, tokens[length - 1], vocab_size, max_depth, name)
         stats.tree_nodes += tree.size
         past = length - 1  # the root is the last committed token; the target has not seen it yet
         out = forward(tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, model.dtype))

@@ -95,6 +95,57 @@ class Tree:
         return subtree(self.tokens, self.parents, self.depth, self.ancestors, (self.depth <= max_depth).nonzero().squeeze(-1))
 
 
+def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth: int, drafter: str = "the drafter") -> Tree:
+    """The tree a drafter proposed, made safe to verify: exactness must not depend on the drafter being sane.
+
+    Raises TreeError (naming `drafter`) unless `tree` is a well-formed Tree rooted at `root` (the last
+    committed token) with token ids in [0, vocab_size) (>= 0 when vocab_size is None) and depths and
+    ancestors that agree with its parents. Repairs what is merely wasteful: nodes deeper than `max_depth` are cut, and a node that repeats
+    an earlier sibling's token is dropped with its subtree (under sampling, two chances at one token would
+    bias the output). All checks are vectorised and read back in ONE host transfer.
+    """
+    if not isinstance(tree, Tree) or not all(isinstance(t, torch.Tensor) for t in (tree.tokens, tree.parents, tree.depth, tree.ancestors)):
+        raise TreeError(f"{drafter} proposed {type(tree).__name__}, not an inference.Tree")
+    tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
+    n = tokens.shape[0] if tokens.dim() == 1 else 0
+    if (
+        n == 0
+        or parents.shape != (n,) or depth.shape != (n,) or ancestors.shape != (n, n)
+        or (tokens.dtype, parents.dtype, depth.dtype, ancestors.dtype) != (torch.long, torch.long, torch.long, torch.bool)
+        or len({t.device for t in (tokens, parents, depth, ancestors, root)}) != 1
+    ):
+        raise TreeError(f"{drafter} proposed a malformed tree: tokens {tuple(tokens.shape)} {tokens.dtype}, parents {tuple(parents.shape)} "
+                        f"{parents.dtype}, depth {tuple(depth.shape)}, ancestors {tuple(ancestors.shape)} {ancestors.dtype} (devices must agree)")
+    nodes = torch.arange(n, device=tokens.device)
+    parent = parents.clamp(0, n - 1)  # an invalid parent is reported below; clamped, it can still be gathered
+    own = torch.eye(n, dtype=torch.bool, device=tokens.device)
+    siblings = (parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])
+    problems = torch.stack([
+        tokens[0] != root,
+        (parents[0] != -1) | ((parents[1:] < 0) | (parents[1:] >= nodes[1:])).any(),
+        ((tokens < 0) | (tokens >= vocab_size if vocab_size is not None else tokens < 0)).any(),
+        (depth[0] != 0) | (depth[1:] != depth[parent[1:]] + 1).any() | (depth.max() != tree.max_depth)
+        | (ancestors[0] != own[0]).any() | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
+        siblings.tril(-1).any(),
+    ]).tolist()
+    wrong_root, bad_parents, bad_tokens, inconsistent, repeated = problems
+    if wrong_root:
+        raise TreeError(f"{drafter} proposed a tree rooted at token {int(tokens[0])}, but the last committed token is {int(root)}: "
+                        "node 0 must be tokens[-1] of what propose() was given")
+    if bad_parents:
+        raise TreeError(f"{drafter} proposed a tree whose parents {parents.tolist()[:32]} are not a tree: node 0 must be the root "
+                        "(parent -1) and every other node's parent must come before it")
+    if bad_tokens:
+        raise TreeError(f"{drafter} proposed token ids outside the vocabulary [0, {vocab_size}): {tokens.tolist()[:32]}")
+    if inconsistent:
+        raise TreeError(f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
+                        "Tree.from_parents(tokens, parents) or Tree.chain(tokens)")
+    if repeated:
+        duplicate = siblings.tril(-1).any(dim=-1)
+        tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
+    return tree.truncate(max_depth)
+
+
 def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:
     """The tree on nodes `keep` (ascending, ancestor-closed), with parents renumbered."""
     new_index = torch.full_like(parents, -1)
@@ -196,7 +247,7 @@ def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> li
     """The `num_nodes` paths with the highest probability of being accepted, given accuracy[d][r]: the
     chance that candidate r at depth d + 1 is the right token (Medusa's sparse-tree construction). A child
     is never likelier than its parent, so best-first expansion keeps the set prefix-closed."""
-    frontier = [(-accuracy[0][r], (r,)) for r in range(len(accuracy[0]))]
+    frontier = [(-a, (r,)) for r, a in enumerate(accuracy[0]) if a > 0]  # a path that cannot be accepted (or NaN) is never drafted
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     while frontier and len(chosen) < num_nodes:
@@ -204,7 +255,8 @@ def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> li
         chosen.append(path)
         if len(path) < len(accuracy):
             for r, a in enumerate(accuracy[len(path)]):
-                heapq.heappush(frontier, (neg_p * a, path + (r,)))
+                if a > 0:
+                    heapq.heappush(frontier, (neg_p * a, path + (r,)))
     return chosen
 
 
@@ -287,19 +339,26 @@ class DynamicTreeSpec:
     cost: PassCost | None = None
 
     def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.nodes < 1:
-            raise TreeError(f"DynamicTreeSpec needs depth, top_k and nodes >= 1, got {self}")
+        for name in ("depth", "top_k", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TreeError(f"DynamicTreeSpec.{name} must be a whole number >= 1, got {value!r}")
+        if self.cost is not None and not isinstance(self.cost, PassCost):
+            raise TreeError(f"DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got {type(self.cost).__name__}")
 
 
 def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> torch.Tensor:
     """Indices (ascending) of the root plus the `count` best non-root nodes by cumulative log-probability.
 
     A child's score never exceeds its parent's; breaking ties toward the shallower node keeps the
-    selection ancestor-closed even when a step had probability 1.
+    selection ancestor-closed even when a step had probability 1. Nodes scored -inf or NaN (a head with
+    non-finite weights) are impossible drafts and never kept; a child of one is one too.
     """
-    key = scores.double() - 1e-9 * depth.double()
+    possible = scores > float("-inf")  # False for NaN as well
+    possible[0] = True
+    key = torch.where(possible, scores.double() - 1e-9 * depth.double(), float("-inf"))
     key[0] = float("inf")
-    count = min(count + 1, scores.shape[0])
+    count = min(count + 1, int(possible.sum()))
     return key.topk(count).indices.sort().values
 
 

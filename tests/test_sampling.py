@@ -14,8 +14,9 @@ import torch
 
 from conftest import tiny_model
 from heads import MedusaConfig, MedusaHeads
-from inference import Sampling, generate
+from inference import Sampling, Tree, generate
 from inference.accept import accepted_path, target_probabilities, target_tokens
+from inference.drafters import TokenDrafter
 
 engine = importlib.import_module("inference.generate")  # the module, not the function it exports
 VOCAB, NEW, COUNTS = 6, 3, (500, 3000)
@@ -56,14 +57,15 @@ def exact_sampler_band(exact, n, trials=200):
     return tvs.mean().item() + 4 * tvs.std().item()
 
 
-def engine_tv(model, heads, sampling, exact):
+def engine_tv(model, heads, sampling, exact, tree=TREE, max_new_tokens=NEW):
+    """TV of the first NEW tokens; a longer max_new_tokens lets the first tree reach deeper."""
     counts = torch.zeros(len(exact), dtype=torch.float64)
     out, accepted_beyond_root = {}, 0
     for seed in range(max(COUNTS)):
-        g = generate(model, heads, PROMPT, max_new_tokens=NEW, tree=TREE, seed=seed,
+        g = generate(model, heads, PROMPT, max_new_tokens=max_new_tokens, tree=tree, seed=seed,
                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        counts[index_of(g.token_ids)] += 1
-        accepted_beyond_root += g.stats.target_forwards < NEW
+        counts[index_of(g.token_ids[:NEW])] += 1
+        accepted_beyond_root += g.stats.target_forwards < max_new_tokens
         if seed + 1 in COUNTS:
             out[seed + 1] = tv(counts, exact)
     assert accepted_beyond_root > max(COUNTS) // 4, "drafts must be accepted often for the test to mean anything"
@@ -80,6 +82,44 @@ def typical_acceptance(tree, logits, sampling, generator=None):
         chosen[tree.parents[node]] = tree.tokens[node]
     path = accepted_path(tree, chosen)
     return path, torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
+
+
+class RepeatedSiblings(TokenDrafter):
+    """Every token a twice at depth 1 of the first tree: the first copy's child is the target's least likely
+    token after a, the second copy's its likeliest z. Verified as proposed, z would get a second chance:
+    p(z) (2 - p(least) - p(z)) instead of p(z)."""
+
+    def __init__(self, model):
+        contexts = torch.cat([PROMPT.expand(VOCAB * VOCAB, -1), torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))], dim=1)
+        with torch.no_grad():
+            order = model(contexts).logits[:, -1].argsort(dim=-1)  # [first token * VOCAB + a, tokens by likelihood]
+        self.children = order[:, [0, -1]].reshape(VOCAB, VOCAB, 2)
+
+    def propose(self, tokens, max_depth):
+        if tokens.shape[0] != PROMPT.shape[0] + 1:
+            return Tree.chain(tokens[-1:])
+        a = torch.arange(VOCAB)
+        children = self.children[tokens[-1]]  # [a, (least likely, likeliest)]
+        ids = torch.cat([tokens[-1:], a, a, children[:, 0], children[:, 1]])
+        parents = torch.cat([torch.tensor([-1]), torch.zeros(2 * VOCAB, dtype=torch.long), torch.arange(1, 2 * VOCAB + 1)])
+        return Tree.from_parents(ids, parents).truncate(max_depth)
+
+
+@pytest.mark.slow
+def test_siblings_that_repeat_a_token_are_sampled_exactly(setup, monkeypatch):
+    """The engine drops the later of two siblings with one token; the same trees verified as proposed are the
+    negative control. Four new tokens, so the first tree may be two deep: the prefill's token, then a sibling
+    pair and their children, all within the three tokens scored."""
+    model, _ = setup
+    sampling = Sampling(temperature=1.0)
+    exact = exact_distribution(model, sampling)
+    band = exact_sampler_band(exact, max(COUNTS))
+    ours = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[max(COUNTS)]
+    assert ours < band, f"TV {ours:.4f} is outside an exact sampler's band {band:.4f}"
+    monkeypatch.setattr(engine, "verifiable_tree", lambda tree, root, vocab, max_depth, name: tree.truncate(max_depth))
+    as_proposed = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[max(COUNTS)]
+    assert as_proposed > band, f"repeated siblings went undetected: TV {as_proposed:.4f}"
+    print(f"\nrepeated siblings: band {band:.4f}, engine {ours:.4f}, verified as proposed {as_proposed:.4f}")
 
 
 @pytest.mark.slow
