@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,42 @@ def dataclass_from_dict(cls, data: dict[str, Any], where: str):
         raise HeadConfigError(f"{where}: {error}") from None
 
 
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+FIELD_TYPES = {  # annotation -> (check, what the error says it must be)
+    "int": (_is_whole, "a whole number"),
+    "float": (_is_number, "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_whole, v)), "a list of whole numbers"),
+    "list[list[float]]": (lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v), "a list of lists of numbers"),
+}
+
+
+def check_field_types(config, minimum_one: tuple[str, ...] = ()) -> None:
+    """Every field holds what its annotation says (a config.json may say "64" or 0); `minimum_one` fields are >= 1."""
+    for f in dataclasses.fields(config):
+        value, annotation = getattr(config, f.name), str(f.type)
+        if annotation.endswith(" | None"):
+            if value is None:
+                continue
+            annotation = annotation.removesuffix(" | None")
+        check, what = FIELD_TYPES[annotation]
+        if not check(value):
+            raise HeadConfigError(f"{type(config).__name__}.{f.name} must be {what}, got {value!r}")
+        if annotation == "float":
+            setattr(config, f.name, float(value))
+    for name in minimum_one:
+        if getattr(config, name) < 1:
+            raise HeadConfigError(f"{type(config).__name__}.{name} must be >= 1, got {getattr(config, name)!r}")
+
+
 @dataclass
 class MedusaConfig:
     """K residual blocks on the target's last hidden state; head i predicts the token i+1 steps past the next."""
@@ -49,9 +86,8 @@ class MedusaConfig:
     def __post_init__(self):
         if self.kind != "medusa":
             raise HeadConfigError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
+        check_field_types(self, ("hidden_size", "vocab_size", "num_heads", "num_layers"))
         _check_draft_vocab(self)
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise HeadConfigError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
         if self.rank_accuracy is not None and (
             len(self.rank_accuracy) != self.num_heads
             or not all(row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy)
@@ -91,16 +127,18 @@ class EagleConfig:
     kind: str = "eagle"
 
     def __post_init__(self):
-        if not isinstance(self.copy_input, bool):
-            raise HeadConfigError(f"EagleConfig.copy_input must be true or false, got {self.copy_input!r}")
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
+        sizes = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_layers", "max_position_embeddings")
+        check_field_types(self, sizes)
         _check_draft_vocab(self)
         self.feature_layers = list(self.feature_layers)
         if not self.feature_layers:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise HeadConfigError(f"EagleConfig.num_layers must be a whole number >= 1, got {self.num_layers!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise HeadConfigError(f"EagleConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise HeadConfigError(f"EagleConfig.rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}")
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> "EagleConfig":
@@ -119,6 +157,14 @@ class EagleConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def check_feature_layers(config, target_config, what: str = "the head") -> None:
+    """An EAGLE head reads the target's hidden_states tuple: the embeddings and every layer's output."""
+    states = target_config.num_hidden_layers + 1
+    bad = [layer for layer in getattr(config, "feature_layers", []) if not -states <= layer < states]
+    if bad:
+        raise HeadConfigError(f"{what} reads target layers {bad}, but the target has {states} hidden states (indices {-states}..{states - 1})")
 
 
 def _check_draft_vocab(config) -> None:
@@ -146,8 +192,11 @@ def head_config_from_dict(data: dict[str, Any]):
 class TargetFingerprint:
     """What a head checkpoint remembers of the model it was fitted on.
 
-    The hash covers a strided sample of the input embedding and output projection rows, rounded to
-    bfloat16 so that the same weights loaded in float32 or bfloat16 give the same fingerprint.
+    `weights_sample` holds a few dozen entries of the input embedding and output projection; two models
+    match when every entry agrees within a rounding step of bfloat16, so the same weights loaded in float32,
+    bfloat16 or float16 match and another model does not. `weights_sha256` hashes more of them, rounded to
+    bfloat16: it keys caches (it is exact per dtype), and it is what checkpoints written before
+    `weights_sample` existed are matched on.
     """
 
     name: str
@@ -156,6 +205,7 @@ class TargetFingerprint:
     vocab_size: int
     num_hidden_layers: int
     weights_sha256: str
+    weights_sample: list[float] | None = None
 
     @classmethod
     def of(cls, model) -> "TargetFingerprint":
@@ -167,14 +217,36 @@ class TargetFingerprint:
             vocab_size=config.vocab_size,
             num_hidden_layers=config.num_hidden_layers,
             weights_sha256=_weights_hash(model),
+            weights_sample=_weights_sample(model),
         )
 
     def mismatch(self, other: "TargetFingerprint") -> str | None:
         """Why `other` is not the model these heads were fitted on, or None when it is."""
-        for key in ("hidden_size", "vocab_size", "weights_sha256"):
+        for key in ("hidden_size", "vocab_size"):
             if getattr(self, key) != getattr(other, key):
                 return f"{key} differs ({getattr(self, key)} vs {getattr(other, key)})"
+        if self.weights_sample is not None and other.weights_sample is not None:
+            a, b = torch.tensor(self.weights_sample, dtype=torch.float64), torch.tensor(other.weights_sample, dtype=torch.float64)
+            if a.shape != b.shape or not bool(((a - b).abs() <= SAMPLE_TOLERANCE * torch.maximum(a.abs(), b.abs()) + 1e-6).all()):
+                return "weights_sample differs (the embedding and output weights are another model's)"
+            return None
+        if self.weights_sha256 != other.weights_sha256:
+            return f"weights_sha256 differs ({self.weights_sha256} vs {other.weights_sha256})"
         return None
+
+
+SAMPLE_TOLERANCE = 2**-7  # bfloat16 rounds to within 2^-8 of a value, float16 to 2^-11; stored to 4 significant digits
+
+
+@torch.no_grad()
+def _weights_sample(model, rows: int = 32) -> list[float]:
+    """`rows` entries of each of the input and output embedding matrices: strided rows, a column spread per row."""
+    sample = []
+    for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        picked = torch.arange(rows, device=matrix.device) * max(1, matrix.shape[0] // rows) % matrix.shape[0]
+        columns = torch.arange(rows, device=matrix.device) * 7919 % matrix.shape[1]
+        sample += [float(f"{v:.4g}") for v in matrix[picked, columns].float().cpu().tolist()]
+    return sample
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import HeadConfigError, MedusaConfig, TargetFingerprint, dataclass_from_dict, head_config_from_dict
+from .config import HeadConfigError, MedusaConfig, TargetFingerprint, check_feature_layers, dataclass_from_dict, head_config_from_dict
 from .eagle import EagleHead
 from .medusa import MedusaHeads
 
@@ -149,6 +149,7 @@ def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
             f"{getattr(target.config, '_name_or_path', '') or target.config.model_type!r}: {reason}. "
             "Load the base model these heads were trained on, or train heads for this one."
         )
+    check_feature_layers(head_config, target.config, f"the head at {path}")
     try:
         state = load_file(path / "model.safetensors")
     except (SafetensorError, FileNotFoundError, OSError) as error:

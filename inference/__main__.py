@@ -16,7 +16,8 @@ from heads import load_heads
 
 from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
 from .calibrate import load_or_measure
-from .drafters import medusa_tree_spec
+from .cli import run
+from .drafters import as_drafter, medusa_tree_spec
 
 
 def parse_tree(text: str | None, heads, model):
@@ -29,14 +30,14 @@ def parse_tree(text: str | None, heads, model):
             spec = DynamicTreeSpec()
             return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
         return medusa_tree_spec(heads, cost=load_or_measure(model, verbose=True))
-    numbers = [int(x) for x in text.split(",")]
-    if eagle:
-        if len(numbers) != 3:
-            raise SystemExit("--tree for an EAGLE head is auto or depth,top_k,nodes (e.g. 5,4,15)")
-        return DynamicTreeSpec(*numbers)
-    if len(numbers) != 1:
-        raise SystemExit("--tree for Medusa heads is the number of draft nodes (e.g. 15)")
-    return medusa_tree_spec(heads, nodes=numbers[0])
+    usage = "auto or depth,top_k,nodes (e.g. 5,4,15)" if eagle else "auto or the number of draft nodes (e.g. 15)"
+    try:
+        numbers = [int(x) for x in text.split(",")]
+    except ValueError:
+        numbers = []
+    if len(numbers) != (3 if eagle else 1):
+        raise ValueError(f"--tree for {'an EAGLE head' if eagle else 'Medusa heads'} is {usage}, got {text!r}")
+    return DynamicTreeSpec(*numbers) if eagle else medusa_tree_spec(heads, nodes=numbers[0])
 
 
 def main(argv=None):
@@ -64,6 +65,7 @@ def main(argv=None):
     tree = parse_tree(args.tree, heads, model)
     drafters = [d for d in (heads, PromptLookupDrafter() if args.lookup else None) if d is not None]
     drafter = drafters[0] if len(drafters) == 1 else (drafters or None)
+    as_drafter(drafter, model, tree)  # a tree that does not fit the heads is refused now, not after the first question
 
     messages = []
 
@@ -93,4 +95,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "python -m inference")

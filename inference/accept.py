@@ -13,6 +13,7 @@ y per node in a single `multinomial` call (a node's draw is used only if the wal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,13 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also refuses NaN
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be a whole number (0 = no top-k filter), got {self.top_k!r}")
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,8 +104,11 @@ def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec 
     """The cached calibration for this model/head/dtype/machine, measured first when there is none."""
     path = cache_path(model, head, spec)
     if path.is_file() and not refresh:
-        saved = json.loads(path.read_text())
-        return PassCost(tuple(saved["tokens"]), tuple(saved["relative"]), saved["draft_level"])
+        try:
+            saved = json.loads(path.read_text())
+            return PassCost(tuple(saved["tokens"]), tuple(float(c) for c in saved["relative"]), float(saved["draft_level"]))
+        except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
+            warnings.warn(f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again", stacklevel=2)
     if verbose:
         print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}); cached in {path}", flush=True)
     cost, one_pass = measure(model, head, spec)
@@ -143,4 +147,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .cli import run
+
+    run(main, "python -m inference.calibrate")

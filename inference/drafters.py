@@ -19,8 +19,10 @@ import torch
 from transformers import DynamicCache
 
 from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
+from heads.config import check_feature_layers
 
 from .tree import (
+    MAX_TOP_K,
     DynamicTreeSpec,
     PassCost,
     StaticTree,
@@ -84,10 +86,7 @@ def _check_head_fits(heads, model, what: str) -> None:
             f"{getattr(target, '_name_or_path', '') or target.model_type!r} has {target.hidden_size} and "
             f"{target.vocab_size}: these heads were built for another base model"
         )
-    states = target.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer's output
-    bad = [layer for layer in getattr(config, "feature_layers", []) if not -states <= layer < states]
-    if bad:
-        raise HeadConfigError(f"{what} reads target layers {bad}, but the target has {states} hidden states (indices {-states}..{states - 1})")
+    check_feature_layers(config, target, what)
     parameter = next(heads.parameters())
     if (parameter.dtype, parameter.device) != (model.dtype, model.device):
         raise HeadConfigError(
@@ -108,7 +107,7 @@ def medusa_tree_spec(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None 
     """Medusa heads' default tree: each step the `nodes` likeliest paths by the heads' own probabilities, as
     deep or as wide as they are sure (any rank may be kept, so top_k = nodes); with a measured `cost`, only
     as many of them as pay for their verification on this machine."""
-    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=nodes, nodes=nodes, cost=cost)
+    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=min(nodes, MAX_TOP_K), nodes=nodes, cost=cost)
 
 
 class MedusaDrafter:

@@ -189,7 +189,13 @@ def _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens: int) -> t
             raise ValueError("the prompt is empty: give at least one token of text")
         ids = torch.tensor(tokenizer(prompt_or_input_ids)["input_ids"], dtype=torch.long)
     else:
-        ids = torch.as_tensor(prompt_or_input_ids, dtype=torch.long)
+        try:
+            ids = torch.as_tensor(prompt_or_input_ids)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"input_ids must be token ids (a list of ints or an integer tensor); could not read them: {error}") from None
+        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):  # 5.9 must not become token 5
+            raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {ids.flatten()[:3].tolist()}")
+        ids = ids.long()
         if ids.dim() == 2:
             if ids.shape[0] != 1:
                 raise ValueError(f"generate() decodes one sequence at a time; got a batch of {ids.shape[0]} (input_ids {tuple(ids.shape)})")

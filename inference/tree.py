@@ -324,6 +324,9 @@ def likeliest_paths(probability: Sequence[Sequence[float]], nodes: int, cost: Pa
     return sized_static_paths(probability, cost, nodes) if cost is not None else best_static_paths(nodes, probability)
 
 
+MAX_TOP_K, MAX_NODES = 64, 1024  # a verification pass over more tokens than this costs more than it can save
+
+
 @dataclass(frozen=True)
 class DynamicTreeSpec:
     """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts.
@@ -343,6 +346,9 @@ class DynamicTreeSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TreeError(f"DynamicTreeSpec.{name} must be a whole number >= 1, got {value!r}")
+        if self.top_k > MAX_TOP_K or self.nodes > MAX_NODES:
+            raise TreeError(f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes <= "
+                            f"{MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)")
         if self.cost is not None and not isinstance(self.cost, PassCost):
             raise TreeError(f"DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got {type(self.cost).__name__}")
 

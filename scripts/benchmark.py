@@ -248,4 +248,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from inference.cli import run
+
+    run(main, "benchmark.py")

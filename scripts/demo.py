@@ -75,4 +75,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from inference.cli import run
+
+    run(main, "demo.py")

@@ -1,11 +1,13 @@
 """Bad input to generate() gets a clear error, raised before any work is done."""
 
+import json
+
 import pytest
 import torch
 
 from conftest import tiny_model
 from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, MedusaHeads
-from inference import PromptLookupDrafter, TreeError, generate
+from inference import DynamicTreeSpec, PromptLookupDrafter, TreeError, generate
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,16 @@ PROMPT = torch.arange(4, 10)
     (PROMPT, {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
     (PROMPT, {"temperature": 1.0, "top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
     (PROMPT, {"temperature": 1.0, "top_p": 1.01}, ValueError, r"top_p must be in \(0, 1\]"),
+    (PROMPT, {"temperature": "0.7"}, ValueError, "temperature must be a finite number, got '0.7'"),
+    (PROMPT, {"temperature": 1.0, "top_p": "0.9"}, ValueError, "top_p must be a finite number"),
+    (PROMPT, {"temperature": float("inf")}, ValueError, "temperature must be a finite number"),
+    (PROMPT, {"temperature": 1.0, "top_k": "5"}, ValueError, "top_k must be a whole number"),
+    (PROMPT, {"temperature": 1.0, "top_k": True}, ValueError, "top_k must be a whole number"),
+    (PROMPT, {"temperature": 1.0, "top_k": 2.5}, ValueError, "top_k must be a whole number"),
+    ([5.9, 7.2], {}, ValueError, "token ids must be integers, got torch.float32"),
+    (torch.tensor([5.0, 7.0]), {}, ValueError, "token ids must be integers"),
+    ([True, False], {}, ValueError, "token ids must be integers"),
+    ([[1, 2], [3]], {}, ValueError, "input_ids must be token ids"),
 ])
 def test_bad_generation_input(model, prompt, kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -97,3 +109,50 @@ def test_a_tokenizer_output_is_accepted_as_prompt(model):
         generate(model, None, PROMPT, max_new_tokens=3).token_ids
     with pytest.raises(ValueError, match="no 'input_ids'"):
         generate(model, None, {"ids": [1, 2]})
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(depth=2.5), "depth must be a whole number >= 1, got 2.5"),
+    (dict(top_k=float("nan")), "top_k must be a whole number >= 1, got nan"),
+    (dict(nodes=True), "nodes must be a whole number >= 1, got True"),
+    (dict(top_k=100000), "top_k <= 64"),
+    (dict(nodes=10**6), "nodes <= 1024"),
+    (dict(cost=2.0), "cost must be a PassCost"),
+])
+def test_bad_tree_specs_are_refused(settings, message):
+    with pytest.raises(TreeError, match=message):
+        DynamicTreeSpec(**settings)
+
+
+def test_eagle_trees_too_large_to_score_are_refused(model):
+    with pytest.raises(TreeError, match="candidate nodes a step"):
+        generate(model, EagleHead(EagleConfig.for_target(model.config)), PROMPT, tree=DynamicTreeSpec(depth=30, top_k=64, nodes=15))
+
+
+def test_medusa_ranks_beyond_the_draft_vocabulary_are_refused(model):
+    heads = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2, draft_vocab_size=8))
+    with pytest.raises(TreeError, match="asks for candidate rank 8, but the heads draft from 8 tokens"):
+        generate(model, heads, PROMPT, tree=[(0,), (8,)])
+    with pytest.raises(TreeError, match="asks for candidate rank 97, but the heads draft from 97 tokens"):
+        generate(model, MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2)), PROMPT, tree=[(0,), (97,)])
+
+
+def test_a_drafter_class_instead_of_an_instance(model):
+    with pytest.raises(TypeError, match=r"the class PromptLookupDrafter, not a drafter: pass an instance, e.g. PromptLookupDrafter\(\)"):
+        generate(model, PromptLookupDrafter, PROMPT)
+    with pytest.raises(TypeError, match="the class PromptLookupDrafter"):
+        generate(model, [EagleHead(EagleConfig.for_target(model.config)), PromptLookupDrafter], PROMPT)
+
+
+def test_a_damaged_calibration_cache_is_measured_again(model, tmp_path, monkeypatch):
+    from inference import calibrate
+
+    monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path)
+    calibrate.load_or_measure(model)
+    [saved] = tmp_path.glob("*.json")
+    for damage in ('{"tokens": [1, 2', '{"tokens": [1, 2], "relative": [1.0]}', '[]', '{"tokens": [1], "relative": ["x"], "draft_level": 0}'):
+        saved.write_text(damage)
+        with pytest.warns(UserWarning, match=f"calibration cached in {saved} is damaged"):
+            cost = calibrate.load_or_measure(model)
+        assert cost.relative[0] == 1.0 and len(cost.tokens) == len(calibrate.TOKEN_COUNTS)
+        assert json.loads(saved.read_text())["tokens"] == list(calibrate.TOKEN_COUNTS)  # written anew

@@ -87,3 +87,15 @@ def test_bfloat16_diverges_only_at_proven_near_ties(shared_dir):
     assert not not_ties, f"divergences that are not near-ties at positions {not_ties}"
     assert refuted >= len(diverged) // 2, f"the near-tie proof accepted {len(diverged) - refuted} confident first tokens"
     print(f"\nbf16: {identical}/{PROMPTS} identical; divergences at {[d for d, _ in diverged]}, all proven near-ties")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_shipped_heads_load_on_the_default_target_in_every_dtype(dtype):
+    from pathlib import Path
+
+    from heads import load_heads
+
+    model, _ = load_target(dtype=dtype)
+    for name in ("smollm2-135m-instruct-eagle", "smollm2-135m-instruct-medusa"):
+        heads = load_heads(Path(__file__).resolve().parents[1] / "checkpoints" / name, model)
+        assert next(heads.parameters()).dtype == model.dtype

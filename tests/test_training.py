@@ -278,7 +278,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
     (["--data.prompt_field", "question"], "has no 'question' field"),
     (["--data.balance_field", "source"], "is not a field"),
-    (["--head.feature_layers", "[1, 99]"], "out of range"),
+    (["--head.feature_layers", "[1, 99]"], "reads target layers [99], but the target has 3 hidden states"),
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),
     (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),

@@ -34,7 +34,7 @@ from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
-from heads.config import HeadConfigError, dataclass_from_dict
+from heads.config import HeadConfigError, check_feature_layers, dataclass_from_dict
 from heads.io import check_output_dir, non_finite_parameters
 from inference import load_target
 from inference.target import warn_if_slow_bfloat16
@@ -66,10 +66,7 @@ def head_config(cfg: TrainConfig, target_config):
         raise ConfigError(f"head.{clash[0]} comes from the target and cannot be set")
     defaults = kind.for_target(target_config)
     config = dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
-    states = target_config.num_hidden_layers + 1  # hidden_states holds the embeddings and every layer
-    bad = [i for i in getattr(config, "feature_layers", []) if not -states <= i < states]
-    if bad:
-        raise ConfigError(f"head.feature_layers {bad} out of range: the target has {states} hidden states (indices {-states}..{states - 1})")
+    check_feature_layers(config, target_config, "head.feature_layers: the head")
     return config
 
 
@@ -379,4 +376,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from inference.cli import run
+
+    run(main, "train_heads.py")
