@@ -166,8 +166,8 @@ class MedusaDrafter:
 cached_static_tree = functools.lru_cache(maxsize=4096)(static_tree)  # a step's shape recurs often: build each once
 
 
-RELIABILITY_DECAY = 0.9
-MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)  # the head's reliability is estimated over roughly the last ten steps
+RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
+MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)
 
 
 class EagleDrafter:
