@@ -1,23 +1,23 @@
 """Command line: answer a prompt (or chat) with speculative decoding, streaming the output.
 
     python -m inference "Summarise the plot of Hamlet." --heads checkpoints/smollm2-135m-instruct-eagle --stats
-    python -m inference --chat --heads checkpoints/smollm2-135m-instruct-eagle --lookup
+    python -m inference --chat --heads checkpoints/smollm2-135m-instruct-eagle --no-lookup
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
 from transformers import TextStreamer
 
 from heads import load_heads
 
-from . import DynamicTreeSpec, PromptLookupDrafter, generate, load_target
-from .calibrate import load_or_measure
+from . import DynamicTreeSpec, generate, load_target
+from .calibrate import calibrated_tree
 from .cli import run
 from .drafters import as_drafter, medusa_tree_spec
+from .generate import with_defaults
 
 
 def parse_tree(text: str | None, heads, model):
@@ -26,10 +26,7 @@ def parse_tree(text: str | None, heads, model):
         return None
     eagle = getattr(heads.config, "kind", "") == "eagle"
     if text in (None, "auto"):  # from this machine's measured pass costs
-        if eagle:
-            spec = DynamicTreeSpec()
-            return replace(spec, cost=load_or_measure(model, heads, spec, verbose=True))
-        return medusa_tree_spec(heads, cost=load_or_measure(model, verbose=True))
+        return calibrated_tree(model, heads, verbose=True)
     usage = "auto or depth,top_k,nodes (e.g. 5,4,15)" if eagle else "auto or the number of draft nodes (e.g. 15)"
     try:
         numbers = [int(x) for x in text.split(",")]
@@ -46,7 +43,8 @@ def main(argv=None):
     parser.add_argument("--chat", action="store_true", help="an interactive conversation; an empty line ends it")
     parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
-    parser.add_argument("--lookup", action="store_true", help="merge prompt-lookup drafts into the tree")
+    parser.add_argument("--no-lookup", action="store_true", help="do not merge prompt-lookup drafts into the head's tree")
+    parser.add_argument("--no-fallback", action="store_true", help="draft at every step, even where plain decoding would be faster")
     parser.add_argument("--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                         help="float32 (default) is exact; auto picks bfloat16 where this machine computes it faster")
@@ -63,23 +61,24 @@ def main(argv=None):
     model, tokenizer = load_target(args.model, dtype=args.dtype)
     heads = load_heads(args.heads, model) if args.heads else None
     tree = parse_tree(args.tree, heads, model)
-    drafters = [d for d in (heads, PromptLookupDrafter() if args.lookup else None) if d is not None]
-    drafter = drafters[0] if len(drafters) == 1 else (drafters or None)
-    as_drafter(drafter, model, tree)  # a tree that does not fit the heads is refused now, not after the first question
+    as_drafter(with_defaults(heads, model, not args.no_lookup), model, tree)  # a tree that does not fit: refused now, not after a question
 
     messages = []
 
     def answer(text: str) -> None:
         messages.append({"role": "user", "content": text})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        out = generate(model, drafter, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
+        out = generate(model, heads, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tree=tree, seed=args.seed,
+                       lookup=not args.no_lookup, fallback=not args.no_fallback,
                        streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
         messages.append({"role": "assistant", "content": out.text})
         if args.stats:
             s = out.stats
-            print(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, "
-                  f"tau {s.mean_accepted:.2f}, {s.target_forwards} target forwards]", file=sys.stderr)
+            by_depth = " ".join(f"{a:.2f}" for a in s.acceptance_by_depth) or "-"
+            print(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.mean_accepted:.2f}, "
+                  f"{s.target_forwards} target forwards ({s.plain_steps} plain); first token {1e3 * s.time_to_first_token:.0f} ms, "
+                  f"then {1e3 * s.time_per_output_token:.1f} ms/token; acceptance by depth {by_depth}]", file=sys.stderr)
 
     if not args.chat:
         answer(args.prompt)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from heads import EagleHead, TargetFingerprint
+from heads import EagleHead, MedusaHeads, TargetFingerprint
 
 from .cache import new_cache
-from .drafters import EagleDrafter
+from .drafters import EagleDrafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
@@ -120,6 +120,17 @@ def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec 
     }, indent=1))
     os.replace(staging, path)
     return cost
+
+
+def calibrated_tree(model, heads, *, verbose: bool = False) -> DynamicTreeSpec | None:
+    """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs."""
+    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
+    head = next((h for h in candidates if isinstance(h, (EagleHead, MedusaHeads))), None)
+    if isinstance(head, EagleHead):
+        return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), verbose=verbose))
+    if isinstance(head, MedusaHeads):
+        return medusa_tree_spec(head, cost=load_or_measure(model, verbose=verbose))
+    return None
 
 
 def main(argv=None) -> None:

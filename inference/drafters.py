@@ -55,9 +55,13 @@ def root_only(tokens: torch.Tensor) -> Tree:
 
 
 class TokenDrafter:
-    """Base for drafters that read only the committed tokens: no state to reset, nothing to observe."""
+    """Base for drafters that read only the committed tokens: no state to reset, nothing to observe.
+
+    `trusted`, set by `propose`, tells a MergedDrafter that this step's span is right often enough that the
+    heads beside it need only draft their depth-1 candidates."""
 
     hidden_layers: tuple[int, ...] = ()
+    trusted: bool = False
 
     def reset(self) -> None:
         pass
@@ -324,7 +328,6 @@ class PromptLookupDrafter(TokenDrafter):
                 f"got {min_ngram}, {max_ngram}, {num_tokens}, {trusted_ngram}"
             )
         self.max_ngram, self.min_ngram, self.num_tokens, self.trusted_ngram = max_ngram, min_ngram, num_tokens, trusted_ngram
-        self.trusted = False
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         length = tokens.shape[0]
@@ -366,7 +369,7 @@ class MergedDrafter:
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         spans = [self._propose(d, tokens, max_depth) for d in self.token_drafters]
-        head_depth = min(1, max_depth) if any(getattr(d, "trusted", False) for d in self.token_drafters) else max_depth
+        head_depth = min(1, max_depth) if any(d.trusted for d in self.token_drafters) else max_depth
         trees = [self._propose(d, tokens, head_depth) for d in self.head_drafters] + spans
         tree = trees[0]
         for other in trees[1:]:

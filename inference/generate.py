@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heads import EagleHead, MedusaHeads
+
 from .accept import Sampling, accept, target_tokens
 from .cache import keep_path, new_cache
-from .drafters import as_drafter, drafter_name
-from .tree import attention_mask, position_ids, verifiable_tree
+from .calibrate import calibrated_tree
+from .drafters import NoDrafter, PromptLookupDrafter, as_drafter, drafter_name
+from .fallback import Fallback
+from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
 
 @dataclass
@@ -23,6 +27,10 @@ class GenerationStats:
     target_seconds: float = 0.0  # inside the target's forward passes (host time: exact on CPU)
     draft_seconds: float = 0.0  # inside drafter.propose / drafter.observe
     tree_nodes: int = 0  # tokens verified over all decode steps (roots included, the prefill not)
+    time_to_first_token: float = 0.0  # seconds from the call to the first new token (the prefill)
+    plain_steps: int = 0  # decode steps the fallback took without drafting (drafting did not pay)
+    drafted_to_depth: list[int] = field(default_factory=list)  # [d]: steps whose tree reached depth d + 1
+    accepted_to_depth: list[int] = field(default_factory=list)  # [d]: steps that accepted d + 1 draft tokens or more
 
     @property
     def mean_accepted(self) -> float:
@@ -34,12 +42,33 @@ class GenerationStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def time_per_output_token(self) -> float:
+        """Seconds per new token after the first (TPOT)."""
+        return (self.seconds - self.time_to_first_token) / max(self.new_tokens - 1, 1)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """For each draft depth d: of the steps that drafted d tokens deep, the share that accepted d."""
+        return [accepted / drafted for accepted, drafted in zip(self.accepted_to_depth, self.drafted_to_depth)]
+
+    @property
     def engine_seconds(self) -> float:
         """The loop's own work: trees, masks, acceptance, cache compaction."""
         return self.seconds - self.target_seconds - self.draft_seconds
 
+    def count_depths(self, drafted: int, accepted: int) -> None:
+        grow = drafted - len(self.drafted_to_depth)
+        if grow > 0:
+            self.drafted_to_depth += [0] * grow
+            self.accepted_to_depth += [0] * grow
+        for d in range(drafted):
+            self.drafted_to_depth[d] += 1
+            self.accepted_to_depth[d] += d < accepted
+
     def as_dict(self) -> dict:
-        keys = ("new_tokens", "target_forwards", "mean_accepted", "seconds", "tokens_per_second", "target_seconds", "draft_seconds", "engine_seconds", "tree_nodes")
+        keys = ("new_tokens", "target_forwards", "mean_accepted", "seconds", "tokens_per_second", "time_to_first_token",
+                "time_per_output_token", "target_seconds", "draft_seconds", "engine_seconds", "tree_nodes", "plain_steps",
+                "acceptance_by_depth", "drafted_to_depth", "accepted_to_depth")
         return {key: getattr(self, key) for key in keys}
 
 
@@ -48,6 +77,77 @@ class Generation:
     token_ids: list[int]  # new tokens only, EOS included when generation stopped there
     text: str | None
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class Decoding:
+    """What the loop carries from step to step: the committed tokens (a buffer filled up to `length`), the
+    target's KV cache, which holds every committed token but the last, and the running stats."""
+
+    model: torch.nn.Module
+    drafter: object
+    tokens: torch.Tensor
+    length: int
+    prompt_length: int
+    max_new_tokens: int
+    cache: object
+    stats: GenerationStats
+    eos: torch.Tensor
+    streamer: object = None
+
+    @property
+    def budget(self) -> int:
+        """How many more tokens may be committed."""
+        return self.max_new_tokens - (self.length - self.prompt_length)
+
+
+def forward(state: Decoding, input_ids: torch.Tensor, **kwargs):
+    """One target pass over `input_ids` on top of the cache, hidden states included when the drafter reads them."""
+    started = time.perf_counter()
+    out = state.model(input_ids=input_ids[None], cache=state.cache, use_cache=True, output_hidden_states=bool(state.drafter.hidden_layers), **kwargs)
+    state.stats.target_seconds += time.perf_counter() - started
+    state.stats.target_forwards += 1
+    return out
+
+
+def prefill(state: Decoding):
+    """The prompt in one pass: the cache, the first token's logits and the hidden states the drafter reads."""
+    return forward(state, state.tokens[: state.length], **_last_logit_only(state.model))
+
+
+def draft(state: Decoding, name: str) -> Tree:
+    """The drafter's tree for the next step, checked and cut to what may still be committed."""
+    started = time.perf_counter()
+    max_depth = state.budget - 1  # the target adds its own token after the deepest accepted draft
+    proposed = state.drafter.propose(state.tokens[: state.length], max_depth)
+    state.stats.draft_seconds += time.perf_counter() - started
+    return verifiable_tree(proposed, state.tokens[state.length - 1], state.model.config.vocab_size, max_depth, name)
+
+
+def verify(state: Decoding, tree: Tree):
+    """ONE target pass over the whole tree: each node sees the committed past and its own ancestors."""
+    past = state.length - 1  # the root is the last committed token; the target has not seen it yet
+    state.stats.tree_nodes += tree.size
+    return forward(state, tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, state.model.dtype))
+
+
+def commit(state: Decoding, new_tokens: torch.Tensor) -> bool:
+    """Append accepted tokens, stopping at EOS like model.generate(); True when generation is over."""
+    stops = torch.isin(new_tokens, state.eos).nonzero()
+    if stops.shape[0]:
+        new_tokens = new_tokens[: int(stops[0]) + 1]
+    state.tokens[state.length : state.length + new_tokens.shape[0]] = new_tokens
+    state.length += new_tokens.shape[0]
+    if state.streamer is not None:
+        state.streamer.put(new_tokens.cpu())
+    return bool(stops.shape[0]) or state.budget <= 0
+
+
+def observe(state: Decoding, hidden_states, rows, next_tokens: torch.Tensor) -> None:
+    """Tell the drafter what the target computed for the tokens it just committed."""
+    started = time.perf_counter()
+    state.drafter.observe({layer: hidden_states[layer][0, rows] for layer in state.drafter.hidden_layers}, next_tokens)
+    state.stats.draft_seconds += time.perf_counter() - started
 
 
 @torch.inference_mode()
@@ -62,86 +162,70 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     tree=None,
+    lookup: bool = True,
+    fallback: bool = True,
     seed: int | None = None,
     streamer=None,
 ) -> Generation:
     """Generate exactly what `model` alone generates (greedy: token for token; sampling: in distribution).
 
     prompt_or_input_ids: text (needs `tokenizer`), token ids (list, 1-D or [1, n] tensor), or a tokenizer's
-    output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`, a Drafter, or a list
-    of them whose trees are merged. tree: a static tree (list of paths) for Medusa, a DynamicTreeSpec for
-    EAGLE; None takes the drafter's default. streamer: a Hugging Face streamer; like `model.generate`, it
-    first receives the prompt, then the tokens as they are accepted.
+    output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`,
+    a Drafter, or a list of them whose trees are merged. tree: None sizes a head's tree to this machine
+    (inference.calibrate, measured once and cached); a DynamicTreeSpec (or Medusa paths) fixes it. lookup:
+    merge prompt lookup into a head's tree. fallback: decode plainly while drafting does not pay on this
+    sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
+    receives the prompt, then the tokens as they are accepted.
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
-    drafter = as_drafter(heads, model, tree)
+    drafter = as_drafter(with_defaults(heads, model, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
     drafter.reset()
-    name, vocab_size = drafter_name(drafter), model.config.vocab_size
-    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device)
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
-    layers, stats, clock = drafter.hidden_layers, GenerationStats(), time.perf_counter
+    name, plain, clock = drafter_name(drafter), Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)), time.perf_counter
     if streamer is not None:
         streamer.put(prompt[None].cpu())
 
-    def forward(input_ids, **kwargs):
-        started = clock()
-        out = model(input_ids=input_ids[None], cache=cache, use_cache=True, output_hidden_states=bool(layers), **kwargs)
-        stats.target_seconds += clock() - started
-        stats.target_forwards += 1
-        return out
-
-    def commit(new_tokens) -> bool:
-        """Append accepted tokens, stopping at EOS like model.generate(); True when generation is over."""
-        nonlocal length
-        stops = torch.isin(new_tokens, eos).nonzero()
-        if stops.shape[0]:
-            new_tokens = new_tokens[: int(stops[0]) + 1]
-        tokens[length : length + new_tokens.shape[0]] = new_tokens
-        length += new_tokens.shape[0]
-        if streamer is not None:
-            streamer.put(new_tokens.cpu())
-        return bool(stops.shape[0]) or length - prompt.shape[0] >= max_new_tokens
-
-    def observe(hidden_states, rows, next_tokens):
-        started = clock()
-        drafter.observe({layer: hidden_states[layer][0, rows] for layer in layers}, next_tokens)
-        stats.draft_seconds += clock() - started
-
     start = clock()
-    cache = new_cache(model)
     tokens = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
     tokens[: prompt.shape[0]] = prompt
-    length = prompt.shape[0]
-
-    out = forward(prompt, **_last_logit_only(model))
-    chosen = target_tokens(out.logits[0, -1:], sampling, generator)
-    done = commit(chosen)
+    state = Decoding(model, drafter, tokens, prompt.shape[0], prompt.shape[0], max_new_tokens, new_cache(model), GenerationStats(),
+                     torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device), streamer)
+    out = prefill(state)
+    done = commit(state, target_tokens(out.logits[0, -1:], sampling, generator))
+    state.stats.time_to_first_token = clock() - start
     if not done:
-        observe(out.hidden_states, slice(None), tokens[1:length])
+        observe(state, out.hidden_states, slice(None), state.tokens[1 : state.length])
     while not done:
         started = clock()
-        max_depth = max_new_tokens - (length - prompt.shape[0]) - 1
-        proposed = drafter.propose(tokens[:length], max_depth)
-        stats.draft_seconds += clock() - started
-        tree = verifiable_tree(proposed, tokens[length - 1], vocab_size, max_depth, name)
-        stats.tree_nodes += tree.size
-        past = length - 1  # the root is the last committed token; the target has not seen it yet
-        out = forward(tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, model.dtype))
-        path, new_tokens = accept(tree, out.logits[0], sampling, generator)
-        keep_path(cache, past, path, tree.size)
-        done = commit(new_tokens)
+        drafting = plain.use_drafter()
+        step = draft(state, name) if drafting else Tree.chain(state.tokens[state.length - 1 : state.length])
+        out = verify(state, step)
+        path, new_tokens = accept(step, out.logits[0], sampling, generator)
+        keep_path(state.cache, state.length - 1, path, step.size)
+        done = commit(state, new_tokens)
         if not done:
-            observe(out.hidden_states, path, new_tokens)
+            observe(state, out.hidden_states, path, new_tokens)
+        plain.record(drafting, new_tokens.shape[0], clock() - started)
+        state.stats.plain_steps += not drafting
+        state.stats.count_depths(step.max_depth, path.shape[0] - 1)
 
+    stats = state.stats
     stats.seconds = clock() - start
-    stats.new_tokens = length - prompt.shape[0]
+    stats.new_tokens = state.length - prompt.shape[0]
     if streamer is not None:
         streamer.end()
-    new = tokens[prompt.shape[0] : length].tolist()
+    new = state.tokens[prompt.shape[0] : state.length].tolist()
     text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
     return Generation(new, text, stats)
+
+
+def with_defaults(heads, model, lookup: bool):
+    """A trained head alone gets prompt lookup merged into its tree (unless lookup=False)."""
+    if lookup and isinstance(heads, (MedusaHeads, EagleHead)):
+        return [heads, PromptLookupDrafter()]
+    return heads
 
 
 def _last_logit_only(model) -> dict:

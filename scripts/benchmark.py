@@ -4,12 +4,16 @@
         --eagle checkpoints/smollm2-135m-instruct-eagle --medusa checkpoints/smollm2-135m-instruct-medusa \
         --per-category 2 --max-new-tokens 128 --dtype float32 --out docs/results/dev-fp32
 
-Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup decoding), lookup (our prompt
-lookup drafter), eagle, medusa, eagle+lookup (the EAGLE tree and a copied span merged into one tree).
+Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup decoding), plain (our loop, no
+drafter), lookup (our prompt lookup drafter), eagle and medusa (a head alone), eagle+lookup and medusa+lookup
+(the head's tree and a copied span merged into one tree: with --tree calibrated, exactly the default call
+`generate(model, head, prompt)`). Our methods fall back to plain decoding where drafting does not pay
+(--no-fallback: never).
 A multi-turn question is answered turn by turn through the chat template; every method is given the
 baseline's earlier answers, so all methods see identical prompts. Reports per category and overall:
 tokens/s, speedup over the baseline, tau (new tokens per target forward) and the share of outputs
-identical to the baseline's; writes <out>.json, <out>.md and <out>.png.
+identical to the baseline's, then our methods' time to first token, time per output token, plain steps and
+acceptance by draft depth; writes <out>.json, <out>.md and <out>.png.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 import sys
 import time
 from collections import defaultdict
@@ -31,23 +34,23 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
-from inference.calibrate import device_name, load_or_measure  # noqa: E402
+from inference.calibrate import calibrated_tree, device_name  # noqa: E402
 from inference.drafters import medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
-METHODS = ("hf", "hf-lookup", "lookup", "eagle", "medusa", "eagle+lookup")
+METHODS = ("hf", "hf-lookup", "plain", "lookup", "eagle", "eagle+lookup", "medusa", "medusa+lookup")
 
 
 def hf_generate(model, prompt, max_new_tokens, **extra):
     started = time.perf_counter()
     out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens, **extra)
     tokens = out[0, len(prompt) :].tolist()
-    return tokens, time.perf_counter() - started, None
+    return tokens, time.perf_counter() - started, None, None
 
 
 def build_methods(args, model, tokenizer):
-    """name -> function(prompt) -> (tokens, seconds, target forwards or None)."""
+    """name -> function(prompt) -> (tokens, seconds, target forwards or None, our loop's stats or None)."""
     heads = {}
     if any("eagle" in m for m in args.methods):
         if not args.eagle:
@@ -57,27 +60,28 @@ def build_methods(args, model, tokenizer):
         if not args.medusa:
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
-    tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
-    calibrated = args.tree == "calibrated"  # each step keeps the drafts that pay on this machine
-    if "eagle" in heads and calibrated:
-        tree = replace(tree, cost=load_or_measure(model, heads["eagle"], tree, verbose=True))
-    medusa_tree = None
-    if "medusa" in heads:
-        medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes, cost=load_or_measure(model, verbose=True) if calibrated else None)
+    # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step
+    fixed = args.tree == "fixed"
+    eagle_tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes) if fixed else None
+    medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes) if fixed and "medusa" in heads else None
+    for head in heads.values():  # measure this machine's pass costs before any timing (cached afterwards)
+        calibrated_tree(model, head, verbose=True)
 
-    def ours(drafter, tree=None):
+    def ours(drafter, tree=None, lookup=False):
         def run(prompt):
-            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, tree=tree)
-            return out.token_ids, out.stats.seconds, out.stats.target_forwards
+            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, tree=tree, lookup=lookup, fallback=not args.no_fallback)
+            return out.token_ids, out.stats.seconds, out.stats.target_forwards, out.stats.as_dict()
         return run
 
     table = {
         "hf": lambda p: hf_generate(model, p, args.max_new_tokens),
         "hf-lookup": lambda p: hf_generate(model, p, args.max_new_tokens, prompt_lookup_num_tokens=10),
+        "plain": ours(None),
         "lookup": ours(PromptLookupDrafter()),
-        "eagle": ours(heads.get("eagle"), tree),
+        "eagle": ours(heads.get("eagle"), eagle_tree),
+        "eagle+lookup": ours(heads.get("eagle"), eagle_tree, lookup=True),  # with --tree calibrated: the default call
         "medusa": ours(heads.get("medusa"), medusa_tree),
-        "eagle+lookup": ours([heads.get("eagle"), PromptLookupDrafter()], tree),
+        "medusa+lookup": ours(heads.get("medusa"), medusa_tree, lookup=True),
     }
     return {name: table[name] for name in args.methods}
 
@@ -135,6 +139,26 @@ def markdown(summary, methods, header):
             cells.append(cell)
         lines.append(f"| {category} ({summary[category][methods[0]]['turns']} turns) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def monitoring(records, methods) -> str:
+    """Our loop's latency and acceptance, over all turns: time to first token, time per output token, the share
+    of decode steps taken plainly (the fallback), and acceptance by draft depth (accepted / drafted that deep)."""
+    lines = ["", "| method | time to first token | time per output token | plain steps | acceptance by depth 1, 2, 3, ... |", "|---|---|---|---|---|"]
+    for m in methods:
+        stats = [r["stats"][m] for r in records if r["stats"].get(m)]
+        if not stats:
+            continue
+        steps = sum(s["target_forwards"] - 1 for s in stats)
+        drafted, accepted = [0] * max(len(s["drafted_to_depth"]) for s in stats), [0] * max(len(s["drafted_to_depth"]) for s in stats)
+        for s in stats:
+            for d, (n, a) in enumerate(zip(s["drafted_to_depth"], s["accepted_to_depth"])):
+                drafted[d], accepted[d] = drafted[d] + n, accepted[d] + a
+        depths = ", ".join(f"{a / n:.2f}" for a, n in zip(accepted, drafted) if n) or "-"
+        lines.append(f"| {m} | {1e3 * sum(s['time_to_first_token'] for s in stats) / len(stats):.0f} ms | "
+                     f"{1e3 * sum(s['time_per_output_token'] for s in stats) / len(stats):.1f} ms | "
+                     f"{100 * sum(s['plain_steps'] for s in stats) / max(steps, 1):.0f}% | {depths} |")
+    return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 
 def divergence_note(overall, methods) -> str:
@@ -198,6 +222,7 @@ def main(argv=None):
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
     parser.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated",
                         help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes")
+    parser.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where plain decoding would be faster")
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -220,9 +245,9 @@ def main(argv=None):
         answers = []
         for turn in range(len(q["turns"])):
             prompt = chat_prompt(tokenizer, q["turns"][: turn + 1], answers)
-            record = {"question_id": q["question_id"], "category": q["category"], "turn": turn, "tokens": {}, "seconds": {}, "forwards": {}}
+            record = {"question_id": q["question_id"], "category": q["category"], "turn": turn, "tokens": {}, "seconds": {}, "forwards": {}, "stats": {}}
             for name, run in runners.items():
-                record["tokens"][name], record["seconds"][name], record["forwards"][name] = run(prompt)
+                record["tokens"][name], record["seconds"][name], record["forwards"][name], record["stats"][name] = run(prompt)
             if "hf" in runners:
                 record["divergence"] = {name: divergence(model, prompt, tokens, record["tokens"]["hf"])
                                         for name, tokens in record["tokens"].items() if tokens != record["tokens"]["hf"]}
@@ -236,7 +261,7 @@ def main(argv=None):
     header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
               f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
               f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy.")
-    table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods)
+    table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods) + monitoring(records, args.methods)
     print("\n" + table)
     if args.out:
         out = Path(args.out)

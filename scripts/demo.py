@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import torch
 from transformers import TextStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the project
-from heads import EagleHead, load_heads  # noqa: E402
-from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
-from inference.calibrate import load_or_measure  # noqa: E402
+from heads import load_heads  # noqa: E402
+from inference import PromptLookupDrafter, generate, load_target  # noqa: E402
+from inference.calibrate import calibrated_tree  # noqa: E402
 from inference.numerics import near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
@@ -38,22 +37,21 @@ def main(argv=None):
     model, tokenizer = load_target(dtype=args.dtype)
     dtype = dtype_name(model.dtype)
     print(f"target in {dtype}")
-    drafters = [PromptLookupDrafter()]
+    heads = None  # the default call: the head's tree sized to this machine, prompt lookup merged into it
     if Path(args.heads, "config.json").is_file():
-        drafters.insert(0, load_heads(args.heads, model))
+        heads = load_heads(args.heads, model)
+        calibrated_tree(model, heads, verbose=True)  # measured once, then cached: not inside the timing
         print(f"drafting with {args.heads} + prompt lookup")
     else:
+        heads = PromptLookupDrafter()
         print(f"no head checkpoint at {args.heads}: drafting with prompt lookup only")
-    tree = None
-    if isinstance(drafters[0], EagleHead):  # sized to this machine (measured once, then cached)
-        tree = replace(DynamicTreeSpec(), cost=load_or_measure(model, drafters[0], DynamicTreeSpec(), verbose=True))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     ids = torch.tensor([prompt["input_ids"]])
-    generate(model, drafters, prompt, max_new_tokens=8, tree=tree)  # warm-up for both, outside the timing
+    generate(model, heads, prompt, max_new_tokens=8)  # warm-up for both, outside the timing
     model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
 
     print(f"\n> {args.prompt}\n")
-    out = generate(model, drafters, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, tree=tree,
+    out = generate(model, heads, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
                    streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
 
     started = time.perf_counter()
@@ -62,7 +60,7 @@ def main(argv=None):
     plain_tokens = plain.shape[1] - ids.shape[1]
     s = out.stats
     print(f"\nspeculative: {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tokens/s, "
-          f"tau {s.mean_accepted:.2f} tokens per target forward")
+          f"tau {s.mean_accepted:.2f} tokens per target forward, first token after {1e3 * s.time_to_first_token:.0f} ms")
     print(f"plain HF generate(): {plain_tokens} tokens in {plain_seconds:.2f} s = {plain_tokens / plain_seconds:.1f} tokens/s")
     reference = plain[0, ids.shape[1] :].tolist()
     print(f"speedup {s.tokens_per_second / (plain_tokens / plain_seconds):.2f}x; output identical to plain decoding: {out.token_ids == reference}")

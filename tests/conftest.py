@@ -88,3 +88,11 @@ def tiny_chat(tmp_path_factory):
             f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
                                 "response": " ".join(rng.choice(WORDS) for _ in range(16))}) + "\n")
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def calibrations_in_a_temporary_folder(tmp_path_factory):
+    """Default trees measure this machine's pass costs once per model and head: not into the user's cache."""
+    from inference import calibrate
+
+    calibrate.CALIBRATION_DIR = tmp_path_factory.mktemp("calibration")

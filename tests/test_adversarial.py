@@ -80,11 +80,11 @@ def test_adversarial_trees_never_change_greedy_output(case):
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
         for max_new_tokens in (NEW_TOKENS, 1 + i % 5):  # short budgets: trees reach far past them
             drafter = AdversarialDrafter(full, vocab, seed=i)
-            out = generate(model, drafter, prompt, max_new_tokens=max_new_tokens)
+            out = generate(model, drafter, prompt, max_new_tokens=max_new_tokens, fallback=False)
             if out.token_ids != reference[:max_new_tokens]:
                 mismatches.append((i, max_new_tokens, out.token_ids, reference[:max_new_tokens]))
             deep += out.stats.mean_accepted > 2
-        merged = generate(model, [AdversarialDrafter(full, vocab, seed=i), PromptLookupDrafter()], prompt, max_new_tokens=NEW_TOKENS)
+        merged = generate(model, [AdversarialDrafter(full, vocab, seed=i), PromptLookupDrafter()], prompt, max_new_tokens=NEW_TOKENS, fallback=False)
         if merged.token_ids != reference:
             mismatches.append((i, "merged with lookup", merged.token_ids, reference))
     assert not mismatches, mismatches[:3]

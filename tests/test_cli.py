@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_one_shot_prompt_streams_and_reports_stats(tiny_chat, capsys):
-    main(["the cat runs", "--model", str(tiny_chat / "model"), "--lookup", "--max-new-tokens", "6", "--stats"])
+    main(["the cat runs", "--model", str(tiny_chat / "model"), "--no-lookup", "--max-new-tokens", "6", "--stats"])
     captured = capsys.readouterr()
     assert captured.out.strip()  # the streamed answer
-    assert "tokens/s, tau" in captured.err
+    assert "tokens/s, tau" in captured.err and "ms/token; acceptance by depth" in captured.err
 
 
 def test_chat_mode_answers_each_line(tiny_chat, capsys, monkeypatch):

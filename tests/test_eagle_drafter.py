@@ -96,7 +96,7 @@ def test_eagle_drafter_state_and_trees_match_a_recomputation():
         drafter.model = model
         segment = torch.randint(4, 97, (8,), generator=torch.Generator().manual_seed(1))
         prompt = torch.cat([segment, torch.tensor([3]), segment[:5]])  # repeated bigrams: copy tokens to find
-        generate(model, drafter, prompt, max_new_tokens=12)
+        generate(model, drafter, prompt, max_new_tokens=12, fallback=False)
         assert drafter.checked_nodes > 30
         assert drafter.cache.get_seq_length() == drafter.length  # draft entries never outlive a step
 
@@ -144,7 +144,7 @@ def test_an_overconfident_head_is_discounted():
         head.fc.weight.mul_(50.0)  # sharp, confident and (untrained) wrong distributions
     drafter = EagleDrafter(head, model, DynamicTreeSpec(depth=3, top_k=2, nodes=6))
     prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(3))
-    generate(model, drafter, prompt, max_new_tokens=24)
+    generate(model, drafter, prompt, max_new_tokens=24, fallback=False)
     assert drafter.reliability < 0.5
     drafter.reset()
     assert drafter.reliability == 1.0

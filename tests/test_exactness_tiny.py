@@ -74,7 +74,7 @@ def test_every_drafter_matches_hf_greedy(case):
     for i, (prompt, reference) in enumerate(zip(prompts, references)):
         stopped_at_eos += len(reference) < NEW_TOKENS
         for name, (heads, tree) in drafters_for(model, prompt, reference).items():
-            out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree)
+            out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             if out.token_ids != reference:
                 mismatches.append((i, name, out.token_ids, reference))
             if name == "oracle-tree-30":
@@ -135,7 +135,7 @@ def test_stats_and_streamer():
         def end(self):
             received.append("end")
 
-    out = generate(model, OracleDrafter(full, chain_paths(4), 97), prompt, max_new_tokens=20, streamer=Streamer())
+    out = generate(model, OracleDrafter(full, chain_paths(4), 97), prompt, max_new_tokens=20, streamer=Streamer(), fallback=False)
     assert received[0] == prompt.tolist() and received[-1] == "end"
     assert sum(received[1:-1], []) == reference
     assert len(received) - 2 == out.stats.target_forwards < 20  # several tokens per step

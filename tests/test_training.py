@@ -34,7 +34,7 @@ def mean_tau(model, tokenizer, head, prompts):
     taus = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        taus.append(generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8)).stats.mean_accepted)
+        taus.append(generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8), lookup=False, fallback=False).stats.mean_accepted)
     return sum(taus) / len(taus)
 
 

@@ -1,0 +1,54 @@
+"""Fall back to plain decoding while drafting does not pay on this sequence, and probe it again now and then.
+
+A drafted step verifies several tokens and may accept several; a plain step verifies one and commits one.
+Which is faster depends on the hardware, the dtype and how often this head is right on this text, so the
+loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
+committed. One plain step early on prices plain decoding. While the recent drafted steps commit fewer
+tokens per second than plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting
+loses again, up to `max_hold`), then drafts two steps to look again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class Fallback:
+    def __init__(self, enabled: bool = True, window: int = 4, hold: int = 8, max_hold: int = 64):
+        self.enabled, self.first_hold, self.max_hold = enabled, hold, max_hold
+        self.hold = hold
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
+        self.plain: deque[tuple[int, float]] = deque(maxlen=window)
+        self.plain_left = 0  # plain steps still to take before drafting again
+        self.warm = False  # the first drafted step also feeds the drafter the whole prompt: not timed
+
+    def use_drafter(self) -> bool:
+        if not self.enabled:
+            return True
+        if self.plain_left == 0 and not self.plain and len(self.drafted) >= 2:
+            self.plain_left = 1  # price plain decoding once
+        return self.plain_left == 0
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        if not drafted:
+            self.plain.append((tokens, seconds))
+            self.plain_left = max(self.plain_left - 1, 0)
+        elif not self.warm:
+            self.warm = True
+            return
+        else:
+            self.drafted.append((tokens, seconds))
+        if not self.plain or len(self.drafted) < 2:
+            return
+        if rate(self.drafted) < rate(self.plain):
+            self.plain_left, self.hold = self.hold, min(2 * self.hold, self.max_hold)
+            self.drafted.clear()  # after the hold, drafting is judged afresh
+        else:
+            self.hold = self.first_hold
+
+
+def rate(steps) -> float:
+    """Tokens per second over `steps` of (tokens, seconds)."""
+    return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-12)

@@ -1,0 +1,95 @@
+"""Falling back to plain decoding: the rule on its own (step times given), and exactness when the loop switches."""
+
+import importlib
+
+import torch
+
+from conftest import hf_greedy, tiny_model
+from heads import EagleConfig, EagleHead
+from inference import OracleDrafter, PromptLookupDrafter, chain_paths, generate
+from inference.fallback import Fallback
+
+engine = importlib.import_module("inference.generate")
+
+
+def run(fallback: Fallback, steps: int, drafted_step, plain_step) -> str:
+    """Drive the rule for `steps` steps; drafted_step / plain_step give (tokens, seconds). 'D' drafted, 'p' plain."""
+    taken = ""
+    for _ in range(steps):
+        drafting = fallback.use_drafter()
+        fallback.record(drafting, *(drafted_step if drafting else plain_step))
+        taken += "D" if drafting else "p"
+    return taken
+
+
+def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
+    # drafted: 2 tokens in 3 s; plain: 1 token in 1 s
+    taken = run(Fallback(hold=4, max_hold=8), 40, (2, 3.0), (1, 1.0))
+    # the first drafted step is not timed, two more are; one plain step prices plain decoding; drafting loses:
+    # 4 plain steps, two drafted probes, 8 plain, two probes, 8 (the hold stops doubling at max_hold) ...
+    assert taken.startswith("DDD" + "p" + "pppp" + "DD" + "pppppppp" + "DD" + "pppppppp"), taken
+    assert taken.count("D") < 12
+
+
+def test_drafting_that_pays_keeps_drafting():
+    taken = run(Fallback(), 40, (4, 2.0), (1, 1.0))
+    assert taken == "DDD" + "p" + "D" * 36  # plain decoding priced once
+
+
+def test_a_disabled_fallback_always_drafts():
+    assert run(Fallback(enabled=False), 20, (1, 9.0), (1, 1.0)) == "D" * 20
+
+
+class Alternating(Fallback):
+    """Switches between drafting and plain decoding every other step, whatever the times."""
+
+    def __init__(self, enabled=True):
+        super().__init__(enabled)
+        self.steps = 0
+
+    def use_drafter(self):
+        self.steps += 1
+        return self.steps % 3 != 0
+
+
+def test_switching_between_drafting_and_plain_steps_stays_exact(monkeypatch):
+    monkeypatch.setattr(engine, "Fallback", Alternating)
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
+    g = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        prompt = torch.randint(4, 97, (14,), generator=g)
+        prompt = torch.cat([prompt, prompt[:6]])
+        reference = hf_greedy(model, prompt, 30)
+        full = torch.cat([prompt, torch.tensor(reference)])
+        for heads in (head, OracleDrafter(full, chain_paths(4), 97), [head, PromptLookupDrafter()]):
+            out = generate(model, heads, prompt, max_new_tokens=30)
+            assert out.token_ids == reference
+            assert out.stats.plain_steps > 0 or out.stats.target_forwards < 4
+
+
+def test_the_default_call_is_exact_and_reports_its_latency():
+    """generate(model, head, prompt): a tree sized to this machine, prompt lookup merged, the fallback on."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    g = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        prompt = torch.randint(4, 97, (12,), generator=g)
+        out = generate(model, head, prompt, max_new_tokens=24)
+        assert out.token_ids == hf_greedy(model, prompt, 24)
+        s = out.stats
+        assert 0 < s.time_to_first_token < s.seconds and s.time_per_output_token > 0
+        assert len(s.acceptance_by_depth) == len(s.drafted_to_depth) and all(0 <= a <= 1 for a in s.acceptance_by_depth)
+        assert s.drafted_to_depth == sorted(s.drafted_to_depth, reverse=True)  # a step that drafted d deep drafted d - 1
+
+
+def test_acceptance_by_depth_counts_what_the_oracle_got_accepted():
+    model = tiny_model("llama", eos=None)
+    prompt = torch.arange(4, 12)
+    full = torch.cat([prompt, torch.tensor(hf_greedy(model, prompt, 40))])
+    out = generate(model, OracleDrafter(full, chain_paths(3), 97), prompt, max_new_tokens=17, fallback=False)
+    # 16 tokens after the prefill's: four steps of 3 drafts + 1, nothing rejected
+    assert out.stats.drafted_to_depth == [4, 4, 4] and out.stats.acceptance_by_depth == [1.0, 1.0, 1.0]
+    assert out.stats.plain_steps == 0
