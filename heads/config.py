@@ -95,7 +95,7 @@ class MedusaConfig:
             raise HeadConfigError(f"rank_accuracy must hold one row of accuracies in [0, 1] per head ({self.num_heads}), got {self.rank_accuracy!r}")
 
     @classmethod
-    def for_target(cls, target_config, **overrides) -> "MedusaConfig":
+    def for_target(cls, target_config, **overrides) -> MedusaConfig:
         return cls(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, **overrides)
 
 
@@ -129,19 +129,23 @@ class EagleConfig:
     def __post_init__(self):
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
-        sizes = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_layers", "max_position_embeddings")
+        sizes = (
+            "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_layers", "max_position_embeddings"
+        )
         check_field_types(self, sizes)
         _check_draft_vocab(self)
         self.feature_layers = list(self.feature_layers)
         if not self.feature_layers:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise HeadConfigError(f"EagleConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise HeadConfigError(
+                f"EagleConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise HeadConfigError(f"EagleConfig.rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}")
 
     @classmethod
-    def for_target(cls, target_config, **overrides) -> "EagleConfig":
+    def for_target(cls, target_config, **overrides) -> EagleConfig:
         """A head shaped like one layer of the target (EAGLE's choice)."""
         heads = target_config.num_attention_heads
         values = dict(
@@ -208,7 +212,7 @@ class TargetFingerprint:
     weights_sample: list[float] | None = None
 
     @classmethod
-    def of(cls, model) -> "TargetFingerprint":
+    def of(cls, model) -> TargetFingerprint:
         config = model.config
         return cls(
             name=str(getattr(config, "_name_or_path", "") or config.model_type),
@@ -220,7 +224,7 @@ class TargetFingerprint:
             weights_sample=_weights_sample(model),
         )
 
-    def mismatch(self, other: "TargetFingerprint") -> str | None:
+    def mismatch(self, other: TargetFingerprint) -> str | None:
         """Why `other` is not the model these heads were fitted on, or None when it is."""
         for key in ("hidden_size", "vocab_size"):
             if getattr(self, key) != getattr(other, key):

@@ -15,7 +15,6 @@ from transformers import LlamaConfig, LlamaModel
 
 from .config import EagleConfig
 
-
 NO_COPY = -1  # no earlier occurrence of the bigram: the copy input is a zero vector
 
 
@@ -106,7 +105,8 @@ class EagleHead(nn.Module):
         if feature.shape[-1] != self.config.hidden_size:
             feature = self.fuse_features(feature)
         if self.config.copy_input != (copy_embedding is not None):
-            raise ValueError(f"this EAGLE head {'needs' if self.config.copy_input else 'takes no'} copy_embedding (config.copy_input is {self.config.copy_input})")
+            needs = "needs" if self.config.copy_input else "takes no"
+            raise ValueError(f"this EAGLE head {needs} copy_embedding (config.copy_input is {self.config.copy_input})")
         inputs = [token_embedding, feature] + ([copy_embedding] if self.config.copy_input else [])
         x = self.fc(torch.cat(inputs, dim=-1))
         out = self.decoder(

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,22 @@ from .medusa import MedusaHeads
 FORMAT_VERSION = 1
 CHECKPOINT_KEYS = {"format_version", "head", "target", "training"}
 CHECKPOINT_FILES = {"config.json", "model.safetensors"}
+
+
+@contextmanager
+def written_atomically(path: str | os.PathLike):
+    """Yield a staging path beside `path` (a file or a folder to write); when the block succeeds it becomes
+    `path` in one rename, when it fails it is removed: a reader finds the old content or the new, never half."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield staging
+        os.replace(staging, path)
+    finally:
+        if staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            staging.unlink(missing_ok=True)
 
 
 def non_finite_parameters(state: dict[str, torch.Tensor]) -> list[str]:
@@ -55,7 +72,9 @@ def check_output_dir(path: str | os.PathLike) -> Path:
             try:
                 read_checkpoint_config(path)
             except HeadConfigError as error:
-                raise HeadConfigError(f"cannot write heads to {path}: it is not a head checkpoint of this project ({error}); choose a new or empty output_dir") from None
+                raise HeadConfigError(
+                    f"cannot write heads to {path}: it is not a head checkpoint of this project ({error}); choose a new or empty output_dir"
+                ) from None
     return path
 
 
@@ -89,7 +108,8 @@ def save_heads(
     }
     broken = non_finite_parameters(state)
     if broken:
-        raise HeadConfigError(f"refusing to save heads with NaN or infinite weights ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): training diverged")
+        named = ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else "")
+        raise HeadConfigError(f"refusing to save heads with NaN or infinite weights ({named}): training diverged")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is an ordinary directory

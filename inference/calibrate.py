@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from heads import EagleHead, MedusaHeads, TargetFingerprint
+from heads.io import written_atomically
 
 from .cache import new_cache
 from .drafters import EagleDrafter, medusa_tree_spec
@@ -113,12 +114,11 @@ def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec 
         print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}); cached in {path}", flush=True)
     cost, one_pass = measure(model, head, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".tmp{os.getpid()}")
-    staging.write_text(json.dumps({
-        "tokens": cost.tokens, "relative": cost.relative, "draft_level": cost.draft_level, "one_token_pass_ms": 1e3 * one_pass,
-        "device": device_name(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-    }, indent=1))
-    os.replace(staging, path)
+    with written_atomically(path) as staging:
+        staging.write_text(json.dumps({
+            "tokens": cost.tokens, "relative": cost.relative, "draft_level": cost.draft_level, "one_token_pass_ms": 1e3 * one_pass,
+            "device": device_name(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        }, indent=1))
     return cost
 
 

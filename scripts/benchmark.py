@@ -6,8 +6,9 @@
 
 Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup decoding), plain (our loop, no
 drafter), lookup (our prompt lookup drafter), eagle and medusa (a head alone), eagle+lookup and medusa+lookup
-(the head's tree and a copied span merged into one tree: with --tree calibrated, exactly the default call
-`generate(model, head, prompt)`). Our methods fall back to plain decoding where drafting does not pay
+(the head's tree and a copied span merged into one tree), eagle-default and medusa-default (the default call
+`generate(model, head, prompt)`: the tree sized to this machine, lookup merged, the fallback on, whatever
+--tree and --no-fallback say). Our other methods fall back to plain decoding where drafting does not pay
 (--no-fallback: never).
 A multi-turn question is answered turn by turn through the chat template; every method is given the
 baseline's earlier answers, so all methods see identical prompts. Reports per category and overall:
@@ -39,7 +40,7 @@ from inference.drafters import medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
-METHODS = ("hf", "hf-lookup", "plain", "lookup", "eagle", "eagle+lookup", "medusa", "medusa+lookup")
+METHODS = ("hf", "hf-lookup", "plain", "lookup", "eagle", "eagle+lookup", "eagle-default", "medusa", "medusa+lookup", "medusa-default")
 
 
 def hf_generate(model, prompt, max_new_tokens, **extra):
@@ -56,7 +57,7 @@ def build_methods(args, model, tokenizer):
         if not args.eagle:
             raise SystemExit("the eagle methods need --eagle CHECKPOINT_DIR")
         heads["eagle"] = load_heads(args.eagle, model)
-    if "medusa" in args.methods:
+    if any("medusa" in m for m in args.methods):
         if not args.medusa:
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
@@ -67,9 +68,10 @@ def build_methods(args, model, tokenizer):
     for head in heads.values():  # measure this machine's pass costs before any timing (cached afterwards)
         calibrated_tree(model, head, verbose=True)
 
-    def ours(drafter, tree=None, lookup=False):
+    def ours(drafter, tree=None, lookup=False, **defaults):
         def run(prompt):
-            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, tree=tree, lookup=lookup, fallback=not args.no_fallback)
+            settings = defaults or dict(tree=tree, lookup=lookup, fallback=not args.no_fallback)
+            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, **settings)
             return out.token_ids, out.stats.seconds, out.stats.target_forwards, out.stats.as_dict()
         return run
 
@@ -82,6 +84,9 @@ def build_methods(args, model, tokenizer):
         "eagle+lookup": ours(heads.get("eagle"), eagle_tree, lookup=True),  # with --tree calibrated: the default call
         "medusa": ours(heads.get("medusa"), medusa_tree),
         "medusa+lookup": ours(heads.get("medusa"), medusa_tree, lookup=True),
+        # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
+        "eagle-default": ours(heads.get("eagle"), tree=None, lookup=True, fallback=True),
+        "medusa-default": ours(heads.get("medusa"), tree=None, lookup=True, fallback=True),
     }
     return {name: table[name] for name in args.methods}
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from heads.config import HeadConfigError, dataclass_from_dict
 import inference.target
+from heads.config import HeadConfigError, dataclass_from_dict
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "prompts.jsonl")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
 from tqdm.auto import tqdm
+
+from heads.io import written_atomically
 
 from .config import ConfigError, DataConfig
 
@@ -201,10 +202,9 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     random.Random(seed).shuffle(train)
     train_set, eval_set = Dataset.from_list(train), Dataset.from_list(evaluation or train[:8])
     if is_main:
-        staging = root.with_name(root.name + f".tmp{os.getpid()}")
-        train_set.save_to_disk(str(staging / "train"))
-        eval_set.save_to_disk(str(staging / "eval"))
-        os.replace(staging, root)
+        with written_atomically(root) as staging:
+            train_set.save_to_disk(str(staging / "train"))
+            eval_set.save_to_disk(str(staging / "eval"))
     return train_set, eval_set
 
 
@@ -240,9 +240,8 @@ def self_distill(target, tokenizer, prompts: list[list[int]], data: DataConfig, 
             batch = by_length[start : start + data.distill_batch_size]
             written += generate_batch(target, tokenizer, [list(p) for p in batch], data)
         path = directory / f"shard-{number:05d}.json"
-        staging = path.with_suffix(f".tmp{os.getpid()}")
-        staging.write_text(json.dumps({"prompts": [list(p) for p in by_length], "responses": written}))
-        os.replace(staging, path)  # a shard is either complete or absent
+        with written_atomically(path) as staging:  # a shard is either complete or absent
+            staging.write_text(json.dumps({"prompts": [list(p) for p in by_length], "responses": written}))
         known.update(zip(by_length, written))
     return [known[tuple(p)] for p in prompts]
 

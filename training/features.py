@@ -10,13 +10,14 @@ one the loop would have computed.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
+
+from heads.io import written_atomically
 
 from .data import collate
 from .losses import target_features
@@ -86,9 +87,8 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
                 for r, j in enumerate(chosen):
                     for layer in kept:
                         per_row[layer][j] = hidden[layer][r, : lengths[indices[j]]].cpu()
-            staging = path.with_suffix(f".tmp{os.getpid()}")
-            save_file({f"layer{layer}": torch.cat(per_row[layer]).contiguous() for layer in kept}, str(staging))
-            os.replace(staging, path)  # a shard is either complete or absent
+            with written_atomically(path) as staging:  # a shard is either complete or absent
+                save_file({f"layer{layer}": torch.cat(per_row[layer]).contiguous() for layer in kept}, str(staging))
         shards.append(path)
     loaded = [load_file(str(path)) for path in shards]
     tensors = {layer: torch.cat([shard[f"layer{layer}"] for shard in loaded]) for layer in kept}

@@ -264,7 +264,8 @@ def main(argv=None):
         with accelerator.main_process_first():
             store = cache_features(target, rows, layers, directory, cfg.batch_size, accelerator.is_main_process)
         train_set = WithFeatures(rows, store)
-        accelerator.print(f"features: {sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
+        gib = sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30
+        accelerator.print(f"features: {gib:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
         return {"steps": 0, "resumed_from": 0, "history": [], "output": None, "weights_sha256": None}
     if heads.draft_ids is not None and not cfg.init_from:  # the draft vocabulary: the most frequent tokens of the training answers
@@ -283,7 +284,10 @@ def main(argv=None):
     # (which starts one mid-epoch) would shift the noise and position sampling of an uninterrupted one
     # padding costs a step as much as real tokens: with length grouping a batch of 8 holds ~1.5x fewer
     sampler = EpochSeededLengthSampler([len(ids) for ids in rows["input_ids"]], cfg.batch_size, cfg.seed) if cfg.group_by_length else None
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
+    loader = DataLoader(
+        train_set, batch_size=cfg.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate(pad),
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
     heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(heads, optimizer, loader, eval_loader, scheduler)
     draft_ids = accelerator.unwrap_model(heads).draft_ids  # after prepare: on the training device
@@ -329,7 +333,8 @@ def main(argv=None):
                 parser.error(diverged(state["step"], f"the loss is {loss_value}", cfg, checkpoints))
             progress.set_postfix(loss=f"{loss_value:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")})
             if state["step"] % cfg.log_every == 0:
-                accelerator.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}, step=state["step"])
+                logged = {"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}
+                accelerator.log(logged, step=state["step"])
             finished = run_is_over(state, cfg)
             if state["step"] % cfg.eval_every == 0 or finished:
                 results = evaluate(cfg, heads, layers, draft_ids, target, eval_loader, accelerator)
