@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast bench-overhead
+.PHONY: install demo lint test test-fast bench-overhead
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python scripts/demo.py
 
+# lint only (pyproject.toml [tool.ruff]); formatting is not enforced yet
+lint: install
+	$(BIN)/ruff check .
+
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: install

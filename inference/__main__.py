@@ -45,7 +45,8 @@ def main(argv=None):
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
     parser.add_argument("--no-lookup", action="store_true", help="do not merge prompt-lookup drafts into the head's tree")
     parser.add_argument("--no-fallback", action="store_true", help="draft at every step, even where plain decoding would be faster")
-    parser.add_argument("--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
+    parser.add_argument("--tree", default=None,
+                        help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                         help="float32 (default) is exact; auto picks bfloat16 where this machine computes it faster")
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -80,7 +80,7 @@ def measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None =
               position_ids=position_ids(tree, context), attention_mask=attention_mask(tree, context, model.dtype))
         cache.crop(-k)
 
-    seconds = [_median_seconds(lambda: verify(k), repeats) for k in token_counts]
+    seconds = [_median_seconds(lambda k=k: verify(k), repeats) for k in token_counts]
     draft_level = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 from collections import ChainMap
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache
@@ -136,7 +137,8 @@ class MedusaDrafter:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         if self.tree is not None and self.tree.max_rank >= self.vocab.weight.shape[0]:
-            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {self.vocab.weight.shape[0]} tokens; use lower ranks")
+            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from "
+                            f"{self.vocab.weight.shape[0]} tokens; use lower ranks")
         self.hidden = None
 
     def reset(self) -> None:
@@ -295,7 +297,8 @@ class EagleDrafter:
             copies = None
             if tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
                 copies = self._draft_copies(tail, node_tokens[:count].tolist(), parents[:count].tolist(), frontier.tolist())[None]
-            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask[None, None], cache=self.cache)[0]
+            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies,
+                            position_ids=positions, attention_mask=mask[None, None], cache=self.cache)[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]
             best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest

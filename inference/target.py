@@ -28,7 +28,7 @@ BFLOAT16_MARGIN = 0.8  # bf16 must take under this share of the float32 time: a 
 # close would otherwise flip between runs (and a flip changes the feature cache's key, or splits the ranks)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bfloat16_is_faster(device_type: str = "cpu") -> bool:
     """Whether bfloat16 matrix products clearly beat float32 ones here: measured on a CPU, where it depends on
     the instruction set (fast with AVX512-BF16 or AMX; emulated, 1.7-5x slower than float32, with AVX2 alone)."""

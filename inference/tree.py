@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -64,7 +64,7 @@ class Tree:
     max_depth: int
 
     @classmethod
-    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, *, check: bool = True) -> "Tree":
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, *, check: bool = True) -> Tree:
         if check:
             check_parents(parents)
             if tokens.shape != parents.shape:
@@ -73,7 +73,7 @@ class Tree:
         return cls(tokens, parents, depth, ancestors, max_depth)
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor) -> "Tree":
+    def chain(cls, tokens: torch.Tensor) -> Tree:
         """tokens[0] is the root, each next token the child of the one before."""
         n = tokens.shape[0]
         parents = torch.arange(-1, n - 1, device=tokens.device)
@@ -84,11 +84,11 @@ class Tree:
     def size(self) -> int:
         return self.tokens.shape[0]
 
-    def with_tokens(self, tokens: torch.Tensor) -> "Tree":
+    def with_tokens(self, tokens: torch.Tensor) -> Tree:
         """The same shape with other tokens: static trees reuse their structure every step."""
         return Tree(tokens, self.parents, self.depth, self.ancestors, self.max_depth)
 
-    def truncate(self, max_depth: int) -> "Tree":
+    def truncate(self, max_depth: int) -> Tree:
         """Keep the nodes at depth <= max_depth (an ancestor-closed subset, so still a tree)."""
         if max_depth >= self.max_depth:
             return self

@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
-
 from heads import load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
@@ -176,7 +175,8 @@ def divergence_note(overall, methods) -> str:
         worst = max((d["steps"] for d in found if d["steps"] is not None), default=None)
         lines.append(f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
                      + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else ""))
-    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within {NEAR_TIE_STEPS} rounding steps of the top logit):\n\n"
+    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within "
+            f"{NEAR_TIE_STEPS} rounding steps of the top logit):\n\n"
             + "\n".join(lines) + "\n") if lines else ""
 
 

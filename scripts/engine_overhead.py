@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
-
 from inference import NoDrafter, OracleDrafter, best_static_paths, chain_paths, generate, load_target  # noqa: E402
 from inference.calibrate import device_name  # noqa: E402
 from inference.tree import default_accuracy  # noqa: E402
@@ -67,8 +66,9 @@ def run(dtype, args, questions):
     hf_greedy(model, prompts[0][:8], 4)  # warm-up
     for prompt in tqdm(prompts, desc=f"{dtype} prompts"):
         reference, seconds = hf_greedy(model, prompt, args.max_new_tokens)
-        rows["HF generate() greedy"].update(tokens=rows["HF generate() greedy"]["tokens"] + len(reference), seconds=rows["HF generate() greedy"]["seconds"] + seconds)
-        rows["HF generate() greedy"]["identical"] += 1
+        baseline = rows["HF generate() greedy"]
+        baseline.update(tokens=baseline["tokens"] + len(reference), seconds=baseline["seconds"] + seconds)
+        baseline["identical"] += 1
         for name, tree in table:
             if tree is None:
                 drafter = NoDrafter()
@@ -128,7 +128,8 @@ def main(argv=None):
         "## Engine overhead: HF generate() vs our loop with an oracle drafter",
         "",
         f"Command: `python scripts/engine_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
-        f"Machine: {device_name(torch.device('cpu'))} ({platform.machine()}, {os.cpu_count()} cores), {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"Machine: {device_name(torch.device('cpu'))} ({platform.machine()}, {os.cpu_count()} cores), "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"{len(questions)} prompts (first turns of {Path(args.questions).name}), {args.max_new_tokens} new tokens each.",
         "",
         "tau = new tokens per target forward (prefill included). engine ms/step = wall time outside the target's forward "

@@ -7,8 +7,7 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead
-from inference import DynamicTreeSpec, generate
-from inference import calibrate
+from inference import DynamicTreeSpec, calibrate, generate
 from inference.tree import PassCost
 
 

@@ -56,7 +56,8 @@ def drafters_for(model, prompt, reference):
         "medusa-static": (medusa, [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]),
         "medusa-no-draft-pays": (medusa, []),
         "medusa-dynamic": (medusa, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
-        "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),  # sized_static_paths' answer on a machine where nothing pays
+        # sized_static_paths' answer on a machine where nothing pays
+        "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
         "eagle-copy-dynamic": (eagle_copy, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),

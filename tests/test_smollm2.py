@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from heads import MedusaConfig, MedusaHeads
-from inference import OracleDrafter, PromptLookupDrafter, best_static_paths, generate, load_target
-from inference import numerics
+from inference import OracleDrafter, PromptLookupDrafter, best_static_paths, generate, load_target, numerics
 from inference.tree import default_accuracy
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,8 @@ def mean_tau(model, tokenizer, head, prompts):
     taus = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        taus.append(generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8), lookup=False, fallback=False).stats.mean_accepted)
+        out = generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8), lookup=False, fallback=False)
+        taus.append(out.stats.mean_accepted)
     return sum(taus) / len(taus)
 
 
@@ -307,7 +308,7 @@ def test_auto_precision_is_bfloat16_only_where_it_is_faster(monkeypatch, faster,
     import inference.target
     from training.config import load_config
 
-    monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": faster)
+    monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu", faster=faster: faster)
     cfg = load_config(None, ["--target_dtype", "auto", "--mixed_precision", "auto"])
     cfg.resolve_auto_precision("cpu")
     assert (cfg.target_dtype, cfg.mixed_precision) == (dtype, precision)
@@ -318,7 +319,7 @@ def test_bfloat16_where_it_is_emulated_is_loaded_with_a_warning(monkeypatch, tin
     import inference.target
 
     for faster in (False, True):
-        monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": faster)
+        monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu", faster=faster: faster)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model, _ = load_target(tiny_chat / "model", dtype="bfloat16")
