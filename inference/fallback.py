@@ -3,9 +3,10 @@
 A drafted step verifies several tokens and may accept several; a plain step verifies one and commits one.
 Which is faster depends on the hardware, the dtype and how often this head is right on this text, so the
 loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
-committed. One plain step early on prices plain decoding. While the recent drafted steps commit fewer
-tokens per second than plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting
-loses again, up to `max_hold`), then drafts two steps to look again.
+committed. One plain step early on prices plain decoding. While the recent drafted steps (at least `judge`
+of them: acceptance comes in bursts, and two unlucky steps say little) commit fewer tokens per second than
+plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting loses again, up to
+`max_hold`), then drafts `judge` steps to look again.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections import deque
 
 
 class Fallback:
-    def __init__(self, enabled: bool = True, window: int = 4, hold: int = 8, max_hold: int = 64):
-        self.enabled, self.first_hold, self.max_hold = enabled, hold, max_hold
+    def __init__(self, enabled: bool = True, window: int = 8, judge: int = 4, hold: int = 8, max_hold: int = 64):
+        self.enabled, self.judge, self.first_hold, self.max_hold = enabled, judge, hold, max_hold
         self.hold = hold
         self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
         self.plain: deque[tuple[int, float]] = deque(maxlen=window)
@@ -25,7 +26,7 @@ class Fallback:
     def use_drafter(self) -> bool:
         if not self.enabled:
             return True
-        if self.plain_left == 0 and not self.plain and len(self.drafted) >= 2:
+        if self.plain_left == 0 and not self.plain and len(self.drafted) >= self.judge:
             self.plain_left = 1  # price plain decoding once
         return self.plain_left == 0
 
@@ -40,7 +41,7 @@ class Fallback:
             return
         else:
             self.drafted.append((tokens, seconds))
-        if not self.plain or len(self.drafted) < 2:
+        if not self.plain or len(self.drafted) < self.judge:
             return
         if rate(self.drafted) < rate(self.plain):
             self.plain_left, self.hold = self.hold, min(2 * self.hold, self.max_hold)

@@ -24,16 +24,25 @@ def run(fallback: Fallback, steps: int, drafted_step, plain_step) -> str:
 
 def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     # drafted: 2 tokens in 3 s; plain: 1 token in 1 s
-    taken = run(Fallback(hold=4, max_hold=8), 40, (2, 3.0), (1, 1.0))
+    taken = run(Fallback(judge=2, hold=4, max_hold=8), 40, (2, 3.0), (1, 1.0))
     # the first drafted step is not timed, two more are; one plain step prices plain decoding; drafting loses:
     # 4 plain steps, two drafted probes, 8 plain, two probes, 8 (the hold stops doubling at max_hold) ...
     assert taken.startswith("DDD" + "p" + "pppp" + "DD" + "pppppppp" + "DD" + "pppppppp"), taken
     assert taken.count("D") < 12
 
 
+def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
+    fallback, taken = Fallback(judge=4), ""
+    for _ in range(60):  # drafted steps take 2 s and commit 1, 1, then 6 tokens; a plain step commits 1 in 1 s
+        drafting = fallback.use_drafter()
+        fallback.record(drafting, *((6 if taken.count("D") % 3 == 2 else 1, 2.0) if drafting else (1, 1.0)))
+        taken += "D" if drafting else "p"
+    assert taken.count("p") == 1, taken  # 8 tokens in 6 s beats 1 in 1 s: plain decoding priced once, never chosen
+
+
 def test_drafting_that_pays_keeps_drafting():
     taken = run(Fallback(), 40, (4, 2.0), (1, 1.0))
-    assert taken == "DDD" + "p" + "D" * 36  # plain decoding priced once
+    assert taken == "D" * 5 + "p" + "D" * 34  # plain decoding priced once, after four timed drafted steps
 
 
 def test_a_disabled_fallback_always_drafts():
