@@ -62,7 +62,7 @@ def main(argv=None):
     model, tokenizer = load_target(args.model, dtype=args.dtype)
     heads = load_heads(args.heads, model) if args.heads else None
     tree = parse_tree(args.tree, heads, model)
-    as_drafter(with_defaults(heads, model, not args.no_lookup), model, tree)  # a tree that does not fit: refused now, not after a question
+    as_drafter(with_defaults(heads, not args.no_lookup), model, tree)  # a tree that does not fit: refused now, not after a question
 
     messages = []
 

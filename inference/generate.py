@@ -180,7 +180,7 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
-    drafter = as_drafter(with_defaults(heads, model, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
+    drafter = as_drafter(with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
     drafter.reset()
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
     name, plain, clock = drafter_name(drafter), Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)), time.perf_counter
@@ -221,7 +221,7 @@ def generate(
     return Generation(new, text, stats)
 
 
-def with_defaults(heads, model, lookup: bool):
+def with_defaults(heads, lookup: bool):
     """A trained head alone gets prompt lookup merged into its tree (unless lookup=False)."""
     if lookup and isinstance(heads, (MedusaHeads, EagleHead)):
         return [heads, PromptLookupDrafter()]
