@@ -45,6 +45,14 @@ def non_finite_parameters(state: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, tensor in state.items() if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
 
 
+def file_in_the_way(path: str | os.PathLike) -> Path | None:
+    """The nearest existing path among `path` and its parents when it is not a folder (so no folder can be made
+    at `path`), else None."""
+    path = Path(path)
+    existing = next((p for p in [path, *path.parents] if p.exists() or p.is_symlink()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def check_output_dir(path: str | os.PathLike) -> Path:
     """Refuse to write heads where that would delete or overwrite what this project did not write.
 
@@ -52,13 +60,11 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     nothing else), which is replaced atomically. Whatever is in the way of creating it is named.
     """
     path = Path(path)
-    for parent in [path, *path.parents]:
-        if parent.exists() or parent.is_symlink():
-            if parent != path and not parent.is_dir():
-                raise HeadConfigError(f"cannot write heads to {path}: {parent} is a file, not a folder; choose another output_dir")
-            break
-    if path.exists() and not path.is_dir():
+    blocking = file_in_the_way(path)
+    if blocking == path:
         raise HeadConfigError(f"cannot write heads to {path}: a file of that name exists; choose another output_dir or move the file away")
+    if blocking is not None:
+        raise HeadConfigError(f"cannot write heads to {path}: {blocking} is a file, not a folder; choose another output_dir")
     if path.is_dir():
         entries = {entry.name for entry in path.iterdir()}
         foreign = sorted(entries - CHECKPOINT_FILES)

@@ -100,9 +100,10 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
 
     Raises TreeError (naming `drafter`) unless `tree` is a well-formed Tree rooted at `root` (the last
     committed token) with token ids in [0, vocab_size) (>= 0 when vocab_size is None) and depths and
-    ancestors that agree with its parents. Repairs what is merely wasteful: nodes deeper than `max_depth` are cut, and a node that repeats
-    an earlier sibling's token is dropped with its subtree (under sampling, two chances at one token would
-    bias the output). All checks are vectorised and read back in ONE host transfer.
+    ancestors that agree with its parents. Repairs what is merely wasteful: nodes deeper than `max_depth`
+    are cut, and a node that repeats an earlier sibling's token is dropped with its subtree (under sampling,
+    two chances at one token would bias the output). All checks are vectorised and read back in ONE host
+    transfer.
     """
     if not isinstance(tree, Tree) or not all(isinstance(t, torch.Tensor) for t in (tree.tokens, tree.parents, tree.depth, tree.ancestors)):
         raise TreeError(f"{drafter} proposed {type(tree).__name__}, not an inference.Tree")
@@ -119,14 +120,14 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
     nodes = torch.arange(n, device=tokens.device)
     parent = parents.clamp(0, n - 1)  # an invalid parent is reported below; clamped, it can still be gathered
     own = torch.eye(n, dtype=torch.bool, device=tokens.device)
-    siblings = (parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])
+    duplicate = ((parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])).tril(-1).any(dim=-1)  # an earlier sibling has its token
     problems = torch.stack([
         tokens[0] != root,
         (parents[0] != -1) | ((parents[1:] < 0) | (parents[1:] >= nodes[1:])).any(),
         ((tokens < 0) | (tokens >= vocab_size if vocab_size is not None else tokens < 0)).any(),
         (depth[0] != 0) | (depth[1:] != depth[parent[1:]] + 1).any() | (depth.max() != tree.max_depth)
         | (ancestors[0] != own[0]).any() | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
-        siblings.tril(-1).any(),
+        duplicate.any(),
     ]).tolist()
     wrong_root, bad_parents, bad_tokens, inconsistent, repeated = problems
     if wrong_root:
@@ -141,7 +142,6 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
         raise TreeError(f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
                         "Tree.from_parents(tokens, parents) or Tree.chain(tokens)")
     if repeated:
-        duplicate = siblings.tril(-1).any(dim=-1)
         tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
     return tree.truncate(max_depth)
 

@@ -35,7 +35,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, check_feature_layers, dataclass_from_dict
-from heads.io import check_output_dir, non_finite_parameters
+from heads.io import check_output_dir, file_in_the_way, non_finite_parameters
 from inference import load_target
 from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
@@ -171,11 +171,9 @@ def run_is_over(state: dict, cfg: TrainConfig) -> bool:
 
 def check_state_dir(root: Path) -> None:
     """Checkpoints go to `root`: it must be a folder, or a path where one can be made."""
-    for path in [root, *root.parents]:
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"cannot keep training checkpoints in {root}: {path} is a file, not a folder; set state_dir (or output_dir) elsewhere")
-            return
+    blocking = file_in_the_way(root)
+    if blocking is not None:
+        raise ConfigError(f"cannot keep training checkpoints in {root}: {blocking} is a file, not a folder; set state_dir (or output_dir) elsewhere")
 
 
 def remove_stale_staging(root: Path) -> None:
