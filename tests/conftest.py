@@ -61,7 +61,7 @@ WORDS = "the cat dog runs jumps over a lazy fox quick brown red blue green tree 
 
 @pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory):
-    """A tiny Llama with a word-level tokenizer and a chat template, and a small prompt file."""
+    """A tiny Llama with a word-level tokenizer and a chat template, a small prompt file and the model's answers to it."""
     import random
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -84,9 +84,14 @@ def tiny_chat(tmp_path_factory):
     tokenizer.save_pretrained(root / "model")
     rng = random.Random(0)
     with open(root / "prompts.jsonl", "w") as f:
-        for _ in range(160):
-            f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
+        for i in range(160):
+            f.write(json.dumps({"id": i, "source": ["chat", "maths"][i % 2], "prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
                                 "response": " ".join(rng.choice(WORDS) for _ in range(16))}) + "\n")
+    # its own answers to every prompt: the distilled corpus the training recipes read (root/distill/model-float32)
+    from training.distill import DistillConfig, distill
+
+    distill(DistillConfig(model=str(root / "model"), dtype="float32", prompts=str(root / "prompts.jsonl"), corpus_root=str(root / "distill"),
+                          answers=160, second_turn_share=0, max_new_tokens=32, workers=1, threads=1))
     return root
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def recipe(root, out, **extra):
     args = {
-        "model": root / "model", "data.path": root / "prompts.jsonl", "data.eval_prompts": 16, "data.self_distill": 128,
-        "data.distill_max_new_tokens": 32, "data.cache_dir": root / "cache", "output_dir": out, "batch_size": 8,
+        "model": root / "model", "data.path": root / "prompts.jsonl", "data.eval_prompts": 16,
+        "data.corpus": root / "distill" / "model-float32", "data.cache_dir": root / "cache", "output_dir": out, "batch_size": 8,
         "learning_rate": 5e-3, "warmup_steps": 10, "max_steps": 150, "eval_every": 50, "save_every": 50,
     }
     args.update(extra)
@@ -39,71 +40,55 @@ def mean_tau(model, tokenizer, head, prompts):
     return sum(taus) / len(taus)
 
 
-def test_data_scores_on_the_targets_own_answers_and_keeps_sources_apart(tiny_chat, tmp_path):
+def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_chat, tmp_path):
     from training.config import DataConfig
-    from training.data import build_datasets, prompt_ids
+    from training.corpus import read_corpus
+    from training.data import build_datasets
+    from training.distill import DistillConfig, distill
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
-    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), eval_prompts=4, self_distill=8, dataset_responses=8,
-                      distill_max_new_tokens=8, distill_batch_size=4, cache_dir=str(tmp_path))
+    corpus = distill(DistillConfig(model=str(tiny_chat / "model"), dtype="float32", prompts=str(tiny_chat / "prompts.jsonl"),
+                                   corpus_root=str(tmp_path / "distill"), answers=12, second_turn_share=0, max_new_tokens=8, workers=1))
+    records = read_corpus(corpus)
+    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), corpus=str(corpus), eval_prompts=4, dataset_responses=8, cache_dir=str(tmp_path / "cache"))
     train_set, eval_set = build_datasets(data, tokenizer, model, "tiny", seed=0)
-    records = [json.loads(line) for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()]
-    # held out: the first prompts, answered by the target itself (its greedy continuation), not the dataset
+    # held out: the corpus's first four answers, which are the target's own greedy continuations
     for record, row in zip(records[:4], eval_set):
-        prompt = prompt_ids(tokenizer, [{"role": "user", "content": record["prompt"]}])
-        assert row["input_ids"][: len(prompt)] == prompt
+        prompt = record["prompt_ids"]
         greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
-        answer = greedy[: greedy.index(2) + 1] if 2 in greedy else greedy
-        assert row["input_ids"][len(prompt):] == answer
-    # training: 8 self-distilled + 8 dataset answers, to 16 different prompts, none of them held out
+        assert row["input_ids"] == prompt + (greedy[: greedy.index(2) + 1] if 2 in greedy else greedy)
+    assert len(eval_set) == 4
+    # training: the other 8 corpus answers and 8 dataset answers, to 16 different prompts, none of them held out
     prompts = [tuple(row["input_ids"][: row["loss_mask"].index(1)]) for row in train_set]
-    held_out = {tuple(prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])) for r in records[:4]}
+    held_out = {tuple(r["prompt_ids"]) for r in records[:4]}
+    corpus_rows = {tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[4:]}
     assert len(train_set) == 16 and len(set(prompts)) == 16 and not held_out & set(prompts)
+    assert sum(tuple(row["input_ids"]) in corpus_rows for row in train_set) == 8
+    # a prefix of the corpus, for scaling curves; more than it holds is a clear error
+    few, _ = build_datasets(replace(data, corpus_answers=3, dataset_responses=0), tokenizer, model, "tiny", seed=0)
+    assert sorted(map(tuple, few["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[4:7])
+    with pytest.raises(ValueError, match="holds 8 answers besides the 4 held out"):
+        build_datasets(replace(data, corpus_answers=9), tokenizer, model, "tiny", seed=0)
     # the caches are keyed on the file's content: a new modification time (a fresh copy) reuses them
-    written = sorted(tmp_path.iterdir())
+    written = sorted((tmp_path / "cache").iterdir())
     os.utime(tiny_chat / "prompts.jsonl", ns=(10**18, 10**18))
     build_datasets(data, tokenizer, model, "tiny", seed=0)
-    assert sorted(tmp_path.iterdir()) == written
+    assert sorted((tmp_path / "cache").iterdir()) == written
 
 
-def test_balanced_prompts_reuse_every_answer_already_written(tiny_chat, tmp_path, monkeypatch):
-    from dataclasses import replace
+def test_another_models_corpus_is_refused(tiny_chat, tmp_path):
+    from transformers import AutoModelForCausalLM
 
-    import training.data as data_module
     from training.config import DataConfig
-    from training.data import build_datasets, prompt_ids
+    from training.data import build_datasets
 
-    records = [json.loads(line) for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()]
-    for i, record in enumerate(records):
-        record["source"] = "few" if i % 4 == 0 else "many"  # 40 against 120
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    asked = []
-    generate_batch = data_module.generate_batch
-    monkeypatch.setattr(data_module, "generate_batch", lambda t, tok, prompts, d: asked.extend(map(tuple, prompts)) or generate_batch(t, tok, prompts, d))
     model, tokenizer = load_target(str(tiny_chat / "model"))
-    source_of = {tuple(prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}])): r["source"] for r in records}
-
-    data = DataConfig(path=str(tmp_path / "prompts.jsonl"), eval_prompts=4, self_distill=8, dataset_responses=0,
-                      distill_max_new_tokens=4, distill_batch_size=4, cache_dir=str(tmp_path / "cache"))
-    first, _ = build_datasets(data, tokenizer, model, "tiny", seed=0)
-    assert len(asked) == 12  # 8 training + 4 held-out prompts, each answered once
-    answered = {tuple(row["input_ids"][: row["loss_mask"].index(1)]): row["input_ids"] for row in first}
-
-    balanced, _ = build_datasets(replace(data, self_distill=12, balance_field="source"), tokenizer, model, "tiny", seed=0)
-    prompts = [tuple(row["input_ids"][: row["loss_mask"].index(1)]) for row in balanced]
-    assert sorted(source_of[p] for p in prompts) == ["few"] * 6 + ["many"] * 6  # not 3 against 9
-    reused = [p for p in prompts if p in answered]
-    assert reused, "the balanced choice shares no prompt with the first: the test proves nothing"
-    assert len(asked) == 12 + len(prompts) - len(reused)  # only the new prompts were generated
-    for row in balanced:
-        prompt = tuple(row["input_ids"][: row["loss_mask"].index(1)])
-        if prompt in answered:
-            assert row["input_ids"] == answered[prompt]
-
-    # the same target in another dtype writes other greedy text: it answers afresh
-    before = len(asked)
-    build_datasets(data, tokenizer, model.to(torch.bfloat16), "tiny", seed=0)
-    assert len(asked) == before + 12
+    other = AutoModelForCausalLM.from_config(model.config)  # the same shapes, other weights
+    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), corpus=str(tiny_chat / "distill" / "model-float32"), cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="another model's answers"):
+        build_datasets(data, tokenizer, other, "other", seed=0)
+    with pytest.raises(ValueError, match="not a distilled corpus"):
+        build_datasets(replace(data, corpus=str(tmp_path)), tokenizer, model, "tiny", seed=0)
 
 
 def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
@@ -278,7 +263,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     (["--max_stepz", "3"], "unknown key"),
     (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
     (["--data.prompt_field", "question"], "has no 'question' field"),
-    (["--data.balance_field", "source"], "is not a field"),
+    (["--data.balance_field", "topic"], "is not a field"),
     (["--head.feature_layers", "[1, 99]"], "reads target layers [99], but the target has 3 hidden states"),
     (["--head.hidden_size", "32"], "comes from the target"),
     (["--lr_schedule", "exotic"], "lr_schedule"),

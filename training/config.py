@@ -44,19 +44,18 @@ def check_numbers(config) -> None:
 class DataConfig:
     path: str = DEFAULT_PROMPTS  # a local .jsonl / .json / .parquet file, or a hub dataset name
     split: str = "train"
+    corpus: str | None = None  # a self-distilled corpus folder (python -m training.distill); all of it is used
+    corpus_answers: int | None = None  # use only the corpus's first N answers (a balanced prefix); None = all
+    id_field: str = "id"  # the prompts' id: prompts the corpus answered are not used again with the dataset's answer
     prompt_field: str = "prompt"  # a user message ...
     messages_field: str | None = None  # ... or a whole conversation [{"role", "content"}, ...]
     response_field: str | None = "response"  # the dataset's own answer, used as fixed text when present
     dataset_responses: int | None = None  # use at most N of those answers (seeded order, balanced with balance_field); None = all
     max_prompts: int | None = None  # use the first N prompts (after the held-out ones)
     balance_field: str | None = None  # e.g. "source": take prompts round-robin across its values, not in proportion
-    eval_prompts: int = 64  # held out from the start of the file for evaluation
-    self_distill: int = 0  # how many prompts get responses written by the frozen target itself
-    distill_max_new_tokens: int = 256
-    distill_batch_size: int = 16
-    distill_temperature: float = 0.0
+    eval_prompts: int = 64  # held out: the corpus's first N first turns (balanced), or the file's first N prompts
     max_length: int = 512  # tokens per training sequence, prompt included
-    cache_dir: str = "outputs/cache"  # tokenized data and self-distilled responses, reused by reruns
+    cache_dir: str = "outputs/cache"  # tokenized data and cached features, reused by reruns
 
     def __post_init__(self):
         check_numbers(self)

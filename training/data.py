@@ -1,11 +1,10 @@
-"""Prompts -> chat template -> training sequences, from a dataset's own responses and/or self-distillation.
+"""Prompts and answers -> chat template -> training sequences.
 
-Two sources of response text:
-- the dataset's `response` field, on which the frozen target later supplies its own soft labels (cheap);
-- self-distillation: the frozen target writes the responses itself (batched generate), which matches
-  its distribution best. Answers are kept on disk per prompt, in shards written as they finish: an
-  interrupted run resumes where it stopped, and a rerun, or a recipe that picks other prompts, reuses
-  every answer already written.
+Two sources of answer text:
+- a self-distilled corpus (`data.corpus`, written by `python -m training.distill`): the target's own greedy
+  answers, token ids kept in the repository, so the data grows from run to run instead of being regenerated;
+- the dataset's `response` field, on which the frozen target later supplies its own soft labels (cheap, but
+  not the target's text).
 """
 
 from __future__ import annotations
@@ -19,15 +18,13 @@ import pyarrow
 import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
-from tqdm.auto import tqdm
 
 from heads.io import written_atomically
 
 from .config import ConfigError, DataConfig
+from .corpus import corpus_records
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# the settings that shape a self-distilled answer to a given prompt (which prompts are asked is up to the recipe)
-DISTILL_SETTINGS = ("distill_max_new_tokens", "distill_batch_size", "distill_temperature")
 
 
 def load_records(data: DataConfig) -> Dataset:
@@ -155,52 +152,45 @@ def cache_key(*parts) -> str:
 
 
 def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: int, is_main: bool = True) -> tuple[Dataset, Dataset]:
-    """(train, eval) tokenized datasets, cached on disk under data.cache_dir."""
+    """(train, eval) tokenized datasets, cached on disk under data.cache_dir.
+
+    Training text: the corpus's self-distilled answers (data.corpus), then the dataset's own answers to prompts the
+    corpus has not answered (data.dataset_responses). Held out: the corpus's first `eval_prompts` first turns (and
+    their second turns), balanced across sources as the corpus is; without a corpus, the file's first prompts."""
     source = Path(data.path)
-    # the file's content, not its modification time: a copied or re-checked-out file keeps its cache
+    # contents, not modification times: a copied or re-checked-out file keeps its cache
     stamp = hashlib.sha256(source.read_bytes()).hexdigest() if source.is_file() else None
-    written_in = str(target.dtype) if data.self_distill else None  # self-distilled text depends on the dtype
-    key = cache_key(fingerprint, data.__dict__, stamp, seed, getattr(tokenizer, "name_or_path", ""), written_in)
+    shards = sorted(Path(data.corpus).glob("shard-*.jsonl.gz")) if data.corpus else []
+    corpus_stamp = [hashlib.sha256(p.read_bytes()).hexdigest() for p in shards]
+    key = cache_key(fingerprint, data.__dict__, stamp, corpus_stamp, seed, getattr(tokenizer, "name_or_path", ""))
     root = Path(data.cache_dir) / f"data-{key}"
     if (root / "train").is_dir() and (root / "eval").is_dir():
         return load_from_disk(str(root / "train")), load_from_disk(str(root / "eval"))
 
-    records = load_records(data)
-    if data.balance_field and data.balance_field not in records.column_names:
-        raise ConfigError(f"data.balance_field {data.balance_field!r} is not a field of {data.path} (columns: {records.column_names})")
-    pairs = [conversation(r, data) for r in records]
-    held_out, rest = pairs[: data.eval_prompts], pairs[data.eval_prompts :]
-    if data.max_prompts is not None:
-        rest = rest[: data.max_prompts]
-    order = list(range(len(rest)))
-    random.Random(seed).shuffle(order)
-    if data.balance_field:
-        groups = list(records[data.balance_field])[data.eval_prompts :]
-        order = interleave(order, groups)
-
-    train = []
-    # the dataset's answers come from prompts the target does not answer itself: more variety per token
-    with_response = [i for i in order[data.self_distill :] if rest[i][1]][: data.dataset_responses]
-    for i in sorted(with_response):
-        messages, response = rest[i]
-        train.append(example(prompt_ids(tokenizer, messages), response_ids(tokenizer, response), data.max_length))
-    if data.self_distill:
-        # answers are stored per prompt, keyed on what shapes them only (the dtype too: bf16 greedy text is
-        # not fp32's): raising data.self_distill, or choosing other prompts, reuses every answer already written
-        store = root.parent / f"answers-{cache_key(fingerprint, [getattr(data, k) for k in DISTILL_SETTINGS] + [written_in])}"
-        chosen = [prompt_ids(tokenizer, rest[i][0]) for i in order[: data.self_distill]]
-        written = self_distill(target, tokenizer, chosen, data, store, is_main)
-        train += [example(p, r, data.max_length) for p, r in zip(chosen, written)]
-        # the heads will draft the target's own text: score them on its answers to the held-out prompts
-        asked = [prompt_ids(tokenizer, m) for m, _ in held_out]
-        answers = self_distill(target, tokenizer, asked, data, store, is_main)
-        evaluation = [example(p, r, data.max_length) for p, r in zip(asked, answers)]
-    else:
-        evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
-    if not train:
-        raise ConfigError(f"no training sequences: {data.path} has no {data.response_field!r} responses and data.self_distill is 0")
-    random.Random(seed).shuffle(train)
-    train_set, eval_set = Dataset.from_list(train), Dataset.from_list(evaluation or train[:8])
+    train, evaluation, answered = [], [], set()
+    if data.corpus:
+        records = corpus_records(data.corpus, target)
+        held_out = {r["id"] for r in [r for r in records if r["turn"] == 1][: data.eval_prompts]}
+        answered = {r["id"] for r in records}
+        used = [r for r in records if r["id"] not in held_out]
+        if data.corpus_answers is not None:
+            if data.corpus_answers > len(used):
+                raise ConfigError(f"data.corpus_answers is {data.corpus_answers} but {data.corpus} holds {len(used)} answers "
+                                  f"besides the {len(held_out)} held out; write more with `python -m training.distill --answers N`")
+            used = used[: data.corpus_answers]
+        train += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in used]
+        evaluation += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in records if r["id"] in held_out]
+    if data.response_field and data.dataset_responses != 0:
+        train_part, eval_part = dataset_examples(data, tokenizer, seed, answered)
+        train += train_part
+        evaluation += [] if data.corpus else eval_part
+    kept = [x for x in train if any(x["loss_mask"])]  # a prompt longer than max_length leaves nothing to learn
+    if not kept:
+        raise ConfigError(f"no training sequences: set data.corpus to a distilled corpus (python -m training.distill), or give "
+                          f"{data.path} {data.response_field!r} responses, and keep data.max_length ({data.max_length}) above the prompts' length")
+    random.Random(seed).shuffle(kept)
+    evaluation = [x for x in evaluation if any(x["loss_mask"])]
+    train_set, eval_set = Dataset.from_list(kept), Dataset.from_list(evaluation or kept[:8])
     if is_main:
         with written_atomically(root) as staging:
             train_set.save_to_disk(str(staging / "train"))
@@ -208,57 +198,32 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     return train_set, eval_set
 
 
-def interleave(order: list[int], groups: list) -> list[int]:
-    """`order` taken round-robin across the groups (each keeping its own order): every prefix is balanced
-    until a group runs out."""
+def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) examples of the dataset's own answers; prompts whose id is in `answered` are left to the corpus."""
+    records = load_records(data)
+    if data.balance_field and data.balance_field not in records.column_names:
+        raise ConfigError(f"data.balance_field {data.balance_field!r} is not a field of {data.path} (columns: {records.column_names})")
+    ids = list(records[data.id_field]) if data.id_field in records.column_names else [None] * len(records)
+    pairs = [conversation(r, data) for r in records]
+    held_out = pairs[: data.eval_prompts]
+    rest = [i for i in range(data.eval_prompts, len(pairs)) if pairs[i][1] and ids[i] not in answered]
+    if data.max_prompts is not None:
+        rest = rest[: data.max_prompts]
+    random.Random(seed).shuffle(rest)
+    if data.balance_field:
+        groups = list(records[data.balance_field])
+        rest = interleave(rest, [groups[i] for i in rest])
+    chosen = rest if data.dataset_responses is None else rest[: data.dataset_responses]
+    train = [example(prompt_ids(tokenizer, pairs[i][0]), response_ids(tokenizer, pairs[i][1]), data.max_length) for i in sorted(chosen)]
+    evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
+    return train, evaluation
+
+
+def interleave(items: list, groups: list) -> list:
+    """`items` taken round-robin across their groups (each keeping its order): every prefix is balanced until a
+    group runs out."""
     queues: dict = {}
-    for i in order:
-        queues.setdefault(groups[i], []).append(i)
+    for item, group in zip(items, groups):
+        queues.setdefault(group, []).append(item)
     rounds = max((len(q) for q in queues.values()), default=0)
     return [q[r] for r in range(rounds) for q in queues.values() if r < len(q)]
-
-
-@torch.no_grad()
-def self_distill(target, tokenizer, prompts: list[list[int]], data: DataConfig, directory: Path, is_main: bool = True) -> list[list[int]]:
-    """The target's own responses to `prompts`, from the answer store in `directory`; the missing ones are
-    generated in shards of {"prompts", "responses"}, each written whole, so an interruption loses at most one."""
-    directory.mkdir(parents=True, exist_ok=True)
-    known: dict[tuple, list[int]] = {}
-    shards = sorted(directory.glob("shard-*.json"))
-    for path in shards:
-        shard = json.loads(path.read_text())
-        known.update(zip(map(tuple, shard["prompts"]), shard["responses"]))
-    missing = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in known))
-    shard_size = data.distill_batch_size * 4
-    first = int(shards[-1].stem.split("-")[1]) + 1 if shards else 0
-    chunks = [missing[i : i + shard_size] for i in range(0, len(missing), shard_size)]
-    for number, chunk in enumerate(tqdm(chunks, desc="self-distilling", disable=not is_main), first):
-        # batches of similar prompt length: left padding to the longest prompt costs every row its width
-        by_length = sorted(chunk, key=len)
-        written = []
-        for start in range(0, len(by_length), data.distill_batch_size):
-            batch = by_length[start : start + data.distill_batch_size]
-            written += generate_batch(target, tokenizer, [list(p) for p in batch], data)
-        path = directory / f"shard-{number:05d}.json"
-        with written_atomically(path) as staging:  # a shard is either complete or absent
-            staging.write_text(json.dumps({"prompts": [list(p) for p in by_length], "responses": written}))
-        known.update(zip(by_length, written))
-    return [known[tuple(p)] for p in prompts]
-
-
-def generate_batch(target, tokenizer, prompts: list[list[int]], data: DataConfig) -> list[list[int]]:
-    """Left-padded batched generation; each response ends at (and includes) EOS when one came."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
-    sampling = {"do_sample": True, "temperature": data.distill_temperature} if data.distill_temperature > 0 else {"do_sample": False}
-    out = target.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=data.distill_max_new_tokens, pad_token_id=pad,
-        cache_implementation="static", **sampling,  # the dynamic cache was erratic for batched bf16 generation
-    )
-    eos = tokenizer.eos_token_id
-    responses = []
-    for row in out[:, width:].tolist():
-        responses.append(row[: row.index(eos) + 1] if eos in row else row)
-    return responses

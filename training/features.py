@@ -13,7 +13,8 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -26,20 +27,26 @@ SHARD_SEQUENCES = 256
 
 
 class FeatureStore:
-    """Per layer, every sequence's hidden states concatenated: [total tokens, H], sliced by offsets."""
+    """Every sequence's hidden states, read from the memory-mapped shards on demand: a corpus whose features
+    exceed the machine's memory trains as well as a small one (the page cache keeps what fits)."""
 
-    def __init__(self, tensors: dict[int, torch.Tensor], lengths: list[int]):
-        self.tensors = tensors
-        self.offsets = [0]
-        for n in lengths:
-            self.offsets.append(self.offsets[-1] + n)
+    def __init__(self, shards: list[Path], lengths: list[int]):
+        self.files = [safe_open(str(path), framework="pt") for path in shards]
+        self.where = []  # row -> (shard, first token, last token + 1) within that shard
+        for number in range(len(shards)):
+            offset = 0
+            for n in lengths[number * SHARD_SEQUENCES : (number + 1) * SHARD_SEQUENCES]:
+                self.where.append((number, offset, offset + n))
+                offset += n
+        self.layers = [int(name.removeprefix("layer")) for name in self.files[0].keys()] if self.files else []
+        self.nbytes = sum(path.stat().st_size for path in shards)
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.where)
 
     def __getitem__(self, i: int) -> dict[int, torch.Tensor]:
-        start, end = self.offsets[i], self.offsets[i + 1]
-        return {layer: t[start:end] for layer, t in self.tensors.items()}
+        shard, start, end = self.where[i]
+        return {layer: self.files[shard].get_slice(f"layer{layer}")[start:end] for layer in self.layers}
 
 
 class WithFeatures(Dataset):
@@ -90,6 +97,4 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
             with written_atomically(path) as staging:  # a shard is either complete or absent
                 save_file({f"layer{layer}": torch.cat(per_row[layer]).contiguous() for layer in kept}, str(staging))
         shards.append(path)
-    loaded = [load_file(str(path)) for path in shards]
-    tensors = {layer: torch.cat([shard[f"layer{layer}"] for shard in loaded]) for layer in kept}
-    return FeatureStore(tensors, lengths)
+    return FeatureStore(shards, lengths)

@@ -262,7 +262,7 @@ def main(argv=None):
         with accelerator.main_process_first():
             store = cache_features(target, rows, layers, directory, cfg.batch_size, accelerator.is_main_process)
         train_set = WithFeatures(rows, store)
-        gib = sum(t.numel() * t.element_size() for t in store.tensors.values()) / 2**30
+        gib = store.nbytes / 2**30
         accelerator.print(f"features: {gib:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
         return {"steps": 0, "resumed_from": 0, "history": [], "output": None, "weights_sha256": None}

@@ -1,0 +1,256 @@
+"""Self-distillation into a corpus that accumulates: the target's own greedy answers, kept as compressed shards.
+
+    python -m training.distill --answers 20000            # the embedded SmolLM2, bf16 where faster, 2 workers
+    python -m training.distill --answers 20000 --model HuggingFaceTB/SmolLM2-360M-Instruct --workers 1 --threads 8
+
+A corpus is one folder per target and dtype (`data/distill/<model>-<dtype>/`): `corpus.json` records what shaped
+the answers (the target's fingerprint, dtype, generation settings, chat template, prompt file); each
+`shard-NNNNN.jsonl.gz` holds up to `shard_answers` records {id, source, turn, follow_up, prompt_ids, answer_ids}.
+A run asks only what the corpus lacks, so it grows from run to run and an interrupted run loses at most the shard
+each worker was writing. Prompts stay where they are (`prompts`); the corpus keeps their ids, not their text.
+
+Which prompts are answered, in order: first turns taken round-robin across the prompt file's sources (seeded),
+so every prefix of the corpus is balanced; then `second_turn_share` of the answers are second turns: a
+follow-up request (FOLLOW_UPS) answered after the target's own first answer, as in a two-turn chat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+import inference.target
+from heads.config import TargetFingerprint, dataclass_from_dict
+
+from .config import DEFAULT_PROMPTS, ConfigError, check_numbers, parse_overrides
+from .corpus import check_manifest, read_corpus, write_shard
+from .data import check_json_lines, interleave, prompt_ids
+
+# Second-turn requests: generic enough to follow any first answer (maths, code, documents, role-play, chat),
+# varied in what they ask (shorten, extend, rewrite, explain, restructure, critique) like real second turns.
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Summarize your answer in two sentences.",
+    "Rewrite your answer so that a ten-year-old could understand it.",
+    "Give me a concrete example.",
+    "What are the weaknesses or limitations of your answer?",
+    "Turn your answer into a bulleted list of key points.",
+    "Rewrite your previous response in a more formal tone.",
+    "Rewrite your previous response in a casual, friendly tone.",
+    "Is there another way to approach this? Describe it.",
+    "What would be a common mistake here, and how do I avoid it?",
+    "Write a short title for your answer, then a one-paragraph summary.",
+    "Now make your answer about half as long.",
+    "Can you double-check your answer and correct any errors?",
+    "Explain the most important step again, more slowly.",
+    "How would an expert critique your answer?",
+    "Add a short conclusion to your answer.",
+    "Write three questions I could ask to learn more about this.",
+    "Put your answer in a table if that makes sense, otherwise explain why not.",
+    "Thanks! What should I do next?",
+    "Rewrite your previous response, starting every sentence with a different word.",
+)
+
+
+@dataclass
+class DistillConfig:
+    model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # the target's dtype while answering; auto: bfloat16 where faster (1.7x on AVX512-BF16/AMX)
+    prompts: str = DEFAULT_PROMPTS  # a .jsonl file of prompt records
+    id_field: str = "id"
+    prompt_field: str = "prompt"
+    source_field: str | None = "source"  # balance the order across its values; None: one seeded order
+    corpus_root: str = "data/distill"  # the corpus lives in <corpus_root>/<model>-<dtype>/
+    answers: int = 2000  # the corpus size this run fills up to (first and second turns), not how many to add
+    second_turn_share: float = 0.2  # of those, the share that are second turns
+    max_new_tokens: int = 192
+    batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/training.md)
+    workers: int = 2  # processes, each with `threads` threads: two 1-thread workers beat one 2-thread process by ~1.3x
+    threads: int = 1
+    shard_answers: int = 256  # answers per shard (~5 minutes of work a worker, ~150 KB compressed)
+    seed: int = 0
+
+    def __post_init__(self):
+        check_numbers(self)
+        if self.answers < 0 or not 0 <= self.second_turn_share <= 1:
+            raise ConfigError("answers must be >= 0 and second_turn_share between 0 and 1")
+        for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def corpus_dir(cfg: DistillConfig, model_name: str, dtype: torch.dtype) -> Path:
+    slug = model_name.rstrip("/").split("/")[-1].lower()
+    return Path(cfg.corpus_root) / f"{slug}-{inference.target.dtype_name(dtype)}"
+
+
+def manifest(cfg: DistillConfig, model, tokenizer) -> dict:
+    """What shapes an answer to a given prompt: answers from another model, dtype or setting are another corpus."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {
+        "target": dataclasses.asdict(TargetFingerprint.of(model)),
+        "dtype": inference.target.dtype_name(model.dtype),
+        "max_new_tokens": cfg.max_new_tokens,
+        "decoding": "greedy",
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "prompts": Path(cfg.prompts).name,
+        "follow_ups": list(FOLLOW_UPS),
+    }
+
+
+def read_prompts(cfg: DistillConfig) -> list[dict]:
+    path = Path(cfg.prompts)
+    if not path.is_file() or path.suffix != ".jsonl":
+        raise ConfigError(f"prompts {path} is not a .jsonl file of prompt records")
+    check_json_lines(path, path.read_text(encoding="utf-8"))
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    for field in (cfg.id_field, cfg.prompt_field) + ((cfg.source_field,) if cfg.source_field else ()):
+        if field not in records[0]:
+            raise ConfigError(f"{path} records have no {field!r} field (fields: {sorted(records[0])})")
+    if len({r[cfg.id_field] for r in records}) != len(records):
+        raise ConfigError(f"{path}: the {cfg.id_field!r} field is not unique; answers are keyed by it")
+    return records
+
+
+def balanced_order(records: list[dict], source_field: str | None, seed: int) -> list[dict]:
+    """A seeded shuffle, then round-robin across sources: every prefix is balanced until a source runs out."""
+    shuffled = list(records)
+    random.Random(seed).shuffle(shuffled)
+    return interleave(shuffled, [r[source_field] if source_field else None for r in shuffled])
+
+
+def follow_up(prompt_id, seed: int) -> str:
+    digest = hashlib.sha256(repr((prompt_id, seed)).encode()).digest()
+    return FOLLOW_UPS[int.from_bytes(digest[:4], "little") % len(FOLLOW_UPS)]
+
+
+def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
+    """The answers this run writes: what the plan asks for and the corpus lacks, first turns before second turns."""
+    order = balanced_order(read_prompts(cfg), cfg.source_field, cfg.seed)
+    second_turns = round(cfg.answers * cfg.second_turn_share)
+    wanted = []
+    for r in order[: cfg.answers - second_turns]:
+        if (r[cfg.id_field], 1) not in done:
+            user = [{"role": "user", "content": r[cfg.prompt_field]}]
+            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 1, "follow_up": None,
+                           "prompt_ids": prompt_ids(tokenizer, user)})
+    # second turns follow first answers already in the corpus; the next run adds those of this run's first turns
+    answered = [r for r in order if (r[cfg.id_field], 1) in done][:second_turns]
+    for r in answered:
+        if (r[cfg.id_field], 2) not in done:
+            first = done[(r[cfg.id_field], 1)]
+            request = follow_up(r[cfg.id_field], cfg.seed)
+            chat = [{"role": "user", "content": r[cfg.prompt_field]},
+                    {"role": "assistant", "content": tokenizer.decode(first["answer_ids"], skip_special_tokens=True)},
+                    {"role": "user", "content": request}]
+            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request,
+                           "prompt_ids": prompt_ids(tokenizer, chat)})
+    return wanted
+
+
+@torch.no_grad()
+def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to a left-padded batch; each ends at (and includes) EOS when one came."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, cache_implementation="static")  # the dynamic cache was erratic for batched bf16
+    eos = tokenizer.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
+    """Answers each job's requests (batches of similar prompt length) and writes them as the job's shard."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        answer_jobs(rank, cfg, jobs)
+    finally:  # a worker run in the caller's process (workers=1) leaves its thread count as it was
+        torch.set_num_threads(threads)
+
+
+def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
+    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+    bar = tqdm(total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True)
+    for path, chunk in jobs:
+        by_length = sorted(chunk, key=lambda r: len(r["prompt_ids"]))
+        for start in range(0, len(by_length), cfg.batch_size):
+            batch = by_length[start : start + cfg.batch_size]
+            for request, ids in zip(batch, answer(model, tokenizer, [r["prompt_ids"] for r in batch], cfg.max_new_tokens)):
+                request["answer_ids"] = ids
+            bar.update(len(batch))
+        write_shard(path, chunk)  # in the plan's order (the answers were filled in place): a prefix stays balanced
+    bar.close()
+
+
+def distill(cfg: DistillConfig) -> Path:
+    """Fills the corpus up to cfg.answers; returns its folder."""
+    cfg.dtype = inference.target.dtype_name(inference.target.as_dtype(cfg.dtype))  # resolve "auto" once, for every worker
+    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+    directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
+    check_manifest(directory, manifest(cfg, model, tokenizer))
+    del model
+    done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}
+    todo = requests(cfg, tokenizer, done)
+    print(f"{directory}: {len(done)} answers, {len(todo)} to write (filling up to {cfg.answers})", file=sys.stderr)
+    if not todo:
+        return directory
+    shards = sorted(directory.glob("shard-*.jsonl.gz"))
+    first = int(shards[-1].name.split("-")[1].split(".")[0]) + 1 if shards else 0
+    chunks = [todo[i : i + cfg.shard_answers] for i in range(0, len(todo), cfg.shard_answers)]
+    jobs = [(directory / f"shard-{first + n:05d}.jsonl.gz", chunk) for n, chunk in enumerate(chunks)]
+    began = time.perf_counter()
+    if cfg.workers == 1:
+        worker(0, cfg, jobs)
+    else:
+        spawn = multiprocessing.get_context("spawn")  # fresh processes: fork would share torch's thread pools
+        processes = [spawn.Process(target=worker, args=(rank, cfg, jobs[rank :: cfg.workers])) for rank in range(cfg.workers)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+        failed = [p.exitcode for p in processes if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume: finished shards are kept")
+    written = read_corpus(directory)
+    tokens = sum(len(r["answer_ids"]) for r in written) - sum(len(r["answer_ids"]) for r in done.values())
+    seconds = time.perf_counter() - began
+    print(f"{directory}: {len(written)} answers ({len(written) - len(done)} new, {tokens} tokens in {seconds / 60:.1f} min, "
+          f"{tokens / seconds:.0f} tokens/s)", file=sys.stderr)
+    return directory
+
+
+def load_distill_config(arguments: list[str]) -> DistillConfig:
+    values: dict = {}
+    if arguments[:1] == ["--config"]:
+        path = Path(arguments[1])
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        values = yaml.safe_load(path.read_text()) or {}
+        arguments = arguments[2:]
+    for key, value in parse_overrides(arguments):
+        values[key] = value
+    return dataclass_from_dict(DistillConfig, values, "distill")
+
+
+def main(argv=None) -> None:
+    distill(load_distill_config(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    from inference.cli import run
+
+    run(main, "python -m training.distill")
