@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing
+import os
 import random
 import sys
 import time
@@ -185,9 +186,12 @@ def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -
 def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
     model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
     bar = tqdm(total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True)
+    parent = os.getppid()
     for path, chunk in jobs:
         by_length = sorted(chunk, key=lambda r: len(r["prompt_ids"]))
         for start in range(0, len(by_length), cfg.batch_size):
+            if os.getppid() != parent:  # the command was killed: an orphaned worker must not go on writing shards
+                return
             batch = by_length[start : start + cfg.batch_size]
             for request, ids in zip(batch, answer(model, tokenizer, [r["prompt_ids"] for r in batch], cfg.max_new_tokens)):
                 request["answer_ids"] = ids
