@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
@@ -58,3 +59,27 @@ def test_rounding_step_and_near_tie_proof():
     for runner_up in (1, 2):  # measured from the top: the third token's distance, not its gap to the first
         tie, steps = near_tie(model, context, int(ranked.indices[0]), int(ranked.indices[runner_up]))
         assert steps == pytest.approx(float(ranked.values[0] - ranked.values[runner_up]) / step) and tie == (steps <= 3)
+
+
+def test_scaling_curve_reads_each_heads_training_tokens(tiny_chat, tmp_path):
+    import scaling_curve
+    from heads import EagleConfig, EagleHead, save_heads
+    from inference import load_target
+
+    model, _ = load_target(str(tiny_chat / "model"))
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": ["the cat runs"]}) + "\n")
+    results = []
+    for seed, tokens in ((0, 5000), (1, 1000)):
+        torch.manual_seed(seed)
+        head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / f"head-{tokens}", model,
+                          training={"tokens": tokens, "sequences": tokens // 50, "steps": 10, "train_seconds": 60.0})
+        results.append(tmp_path / f"result-{tokens}")
+        benchmark.main(["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "eagle", "--eagle", str(head),
+                        "--tree", "fixed", "--max-new-tokens", "8", "--out", str(results[-1])])
+    scaling_curve.main([str(r.with_suffix(".json")) for r in results] + ["--out", str(tmp_path / "curve")])
+    rows = (tmp_path / "curve.md").read_text().splitlines()[2:]
+    assert [row.split("|")[2].strip() for row in rows] == ["1,000", "5,000"]  # ordered by training tokens
+    taus = {json.loads(r.with_suffix(".json").read_text())["summary"]["overall"]["eagle"]["tau"] for r in results}
+    assert {float(row.split("|")[5].strip(" *")) for row in rows} == {round(t, 2) for t in taus}
+    assert (tmp_path / "curve.png").stat().st_size > 1000
