@@ -79,6 +79,7 @@ class DistillConfig:
     batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/training.md)
     workers: int = 2  # processes, each with `threads` threads: on 2 cores, two 1-thread workers made 1.12x the tokens of one 2-thread process
     threads: int = 1
+    device: str = "auto"  # cuda when there is a GPU (then one worker and larger batches: --workers 1 --batch_size 256)
     shard_answers: int = 256  # answers per shard (~6 minutes of work a worker, ~70 KB compressed)
     seed: int = 0
 
@@ -184,7 +185,7 @@ def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -
 
 
 def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
-    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)
     bar = tqdm(total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True)
     parent = os.getppid()
     for path, chunk in jobs:
@@ -202,7 +203,9 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
 
 def distill(cfg: DistillConfig) -> Path:
     """Fills the corpus up to cfg.answers; returns its folder."""
-    cfg.dtype = inference.target.dtype_name(inference.target.as_dtype(cfg.dtype))  # resolve "auto" once, for every worker
+    if cfg.device == "auto":  # resolved once, for every worker
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg.dtype = inference.target.dtype_name(inference.target.as_dtype(cfg.dtype, cfg.device))
     model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
     directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
     check_manifest(directory, manifest(cfg, model, tokenizer))
