@@ -25,12 +25,14 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/python scripts/demo.py
 
-# lint only (pyproject.toml [tool.ruff]); formatting is not enforced yet
+# lint and formatting (pyproject.toml [tool.ruff]); `ruff format .` fixes the formatting
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -130,7 +130,14 @@ class EagleConfig:
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
         sizes = (
-            "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "num_layers", "max_position_embeddings"
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "num_layers",
+            "max_position_embeddings",
         )
         check_field_types(self, sizes)
         _check_draft_vocab(self)

@@ -54,9 +54,7 @@ class EagleHead(nn.Module):
             # -1, the final hidden state, comes out of the target's final norm; the others are the raw residual
             # stream, whose scale grows with depth (SmolLM2-135M: rms 10 at layer 3, 250 at layer 15, one dimension
             # above 20,000), so they are RMS-normalised before fusing or they swamp the fuse layer and its updates.
-            self.feature_norms = nn.ModuleList(
-                nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers
-            )
+            self.feature_norms = nn.ModuleList(nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers)
         self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden)
         self.decoder = LlamaModel(
             LlamaConfig(

@@ -109,8 +109,7 @@ def save_heads(
         "training": training,
     }
     state = {  # weights in `dtype`; the draft vocabulary's token ids stay integers
-        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
-        for name, tensor in heads.state_dict().items()
+        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous() for name, tensor in heads.state_dict().items()
     }
     broken = non_finite_parameters(state)
     if broken:
@@ -180,8 +179,7 @@ def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
         state = load_file(path / "model.safetensors")
     except (SafetensorError, FileNotFoundError, OSError) as error:
         raise HeadConfigError(
-            f"{path}/model.safetensors cannot be read ({error}): the checkpoint is missing, corrupted or "
-            "half-written. Re-save or re-download it."
+            f"{path}/model.safetensors cannot be read ({error}): the checkpoint is missing, corrupted or half-written. Re-save or re-download it."
         ) from None
     broken = non_finite_parameters(state)
     if broken:

@@ -26,10 +26,7 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
-        self.heads = nn.ModuleList(
-            nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.num_layers)))
-            for _ in range(config.num_heads)
-        )
+        self.heads = nn.ModuleList(nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.num_layers))) for _ in range(config.num_heads))
         # the target's token ids the heads draft from (set by training), saved with the weights
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
 

@@ -1,7 +1,7 @@
 """Command line: answer a prompt (or chat) with speculative decoding, streaming the output.
 
-    python -m inference "Summarise the plot of Hamlet." --heads checkpoints/smollm2-135m-instruct-eagle --stats
-    python -m inference --chat --heads checkpoints/smollm2-135m-instruct-eagle --no-lookup
+python -m inference "Summarise the plot of Hamlet." --heads checkpoints/smollm2-135m-instruct-eagle --stats
+python -m inference --chat --heads checkpoints/smollm2-135m-instruct-eagle --no-lookup
 """
 
 from __future__ import annotations
@@ -45,10 +45,15 @@ def main(argv=None):
     parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
     parser.add_argument("--no-lookup", action="store_true", help="do not merge prompt-lookup drafts into the head's tree")
     parser.add_argument("--no-fallback", action="store_true", help="draft at every step, even where plain decoding would be faster")
-    parser.add_argument("--tree", default=None,
-                        help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                        help="float32 (default) is exact; auto picks bfloat16 where this machine computes it faster")
+    parser.add_argument(
+        "--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="float32 (default) is exact; auto picks bfloat16 where this machine computes it faster",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -69,17 +74,31 @@ def main(argv=None):
     def answer(text: str) -> None:
         messages.append({"role": "user", "content": text})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        out = generate(model, heads, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tree=tree, seed=args.seed,
-                       lookup=not args.no_lookup, fallback=not args.no_fallback,
-                       streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+        out = generate(
+            model,
+            heads,
+            prompt,
+            tokenizer=tokenizer,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            tree=tree,
+            seed=args.seed,
+            lookup=not args.no_lookup,
+            fallback=not args.no_fallback,
+            streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        )
         messages.append({"role": "assistant", "content": out.text})
         if args.stats:
             s = out.stats
             by_depth = " ".join(f"{a:.2f}" for a in s.acceptance_by_depth) or "-"
-            print(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.mean_accepted:.2f}, "
-                  f"{s.target_forwards} target forwards ({s.plain_steps} plain); first token {1e3 * s.time_to_first_token:.0f} ms, "
-                  f"then {1e3 * s.time_per_output_token:.1f} ms/token; acceptance by depth {by_depth}]", file=sys.stderr)
+            print(
+                f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.mean_accepted:.2f}, "
+                f"{s.target_forwards} target forwards ({s.plain_steps} plain); first token {1e3 * s.time_to_first_token:.0f} ms, "
+                f"then {1e3 * s.time_per_output_token:.1f} ms/token; acceptance by depth {by_depth}]",
+                file=sys.stderr,
+            )
 
     if not args.chat:
         answer(args.prompt)

@@ -61,8 +61,9 @@ def _median_seconds(run, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256,
-            token_counts=TOKEN_COUNTS, repeats: int = 7) -> tuple[PassCost, float]:
+def measure(
+    model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256, token_counts=TOKEN_COUNTS, repeats: int = 7
+) -> tuple[PassCost, float]:
     """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached.
 
     Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions); its
@@ -76,8 +77,13 @@ def measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None =
 
     def verify(k: int):
         tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
-        model(input_ids=tree.tokens[None], cache=cache, use_cache=True,
-              position_ids=position_ids(tree, context), attention_mask=attention_mask(tree, context, model.dtype))
+        model(
+            input_ids=tree.tokens[None],
+            cache=cache,
+            use_cache=True,
+            position_ids=position_ids(tree, context),
+            attention_mask=attention_mask(tree, context, model.dtype),
+        )
         cache.crop(-k)
 
     seconds = [_median_seconds(lambda k=k: verify(k), repeats) for k in token_counts]
@@ -95,13 +101,19 @@ def cache_path(model, head: EagleHead | None, spec: DynamicTreeSpec | None) -> P
     head_id = None
     if head is not None:
         head_id = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())).hexdigest()[:16]
-    parts = [TargetFingerprint.of(model).weights_sha256, str(model.dtype), device_name(model.device), torch.get_num_threads(),
-             torch.__version__, head_id, None if spec is None else (spec.depth, spec.top_k)]
+    parts = [
+        TargetFingerprint.of(model).weights_sha256,
+        str(model.dtype),
+        device_name(model.device),
+        torch.get_num_threads(),
+        torch.__version__,
+        head_id,
+        None if spec is None else (spec.depth, spec.top_k),
+    ]
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
 
 
-def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False,
-                    verbose: bool = False) -> PassCost:
+def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False, verbose: bool = False) -> PassCost:
     """The cached calibration for this model/head/dtype/machine, measured first when there is none."""
     path = cache_path(model, head, spec)
     if path.is_file() and not refresh:
@@ -115,10 +127,21 @@ def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec 
     cost, one_pass = measure(model, head, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(path) as staging:
-        staging.write_text(json.dumps({
-            "tokens": cost.tokens, "relative": cost.relative, "draft_level": cost.draft_level, "one_token_pass_ms": 1e3 * one_pass,
-            "device": device_name(model.device), "dtype": str(model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        }, indent=1))
+        staging.write_text(
+            json.dumps(
+                {
+                    "tokens": cost.tokens,
+                    "relative": cost.relative,
+                    "draft_level": cost.draft_level,
+                    "one_token_pass_ms": 1e3 * one_pass,
+                    "device": device_name(model.device),
+                    "dtype": str(model.dtype),
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                },
+                indent=1,
+            )
+        )
     return cost
 
 
@@ -141,8 +164,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--heads", default=None, help="an EAGLE head checkpoint, to measure a draft level too")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo uses)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo uses)",
+    )
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
     args = parser.parse_args(argv)
     model, _ = load_target(args.model, dtype=args.dtype)

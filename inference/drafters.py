@@ -137,8 +137,9 @@ class MedusaDrafter:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
         self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         if self.tree is not None and self.tree.max_rank >= self.vocab.weight.shape[0]:
-            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from "
-                            f"{self.vocab.weight.shape[0]} tokens; use lower ranks")
+            raise TreeError(
+                f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {self.vocab.weight.shape[0]} tokens; use lower ranks"
+            )
         self.hidden = None
 
     def reset(self) -> None:
@@ -297,8 +298,14 @@ class EagleDrafter:
             copies = None
             if tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
                 copies = self._draft_copies(tail, node_tokens[:count].tolist(), parents[:count].tolist(), frontier.tolist())[None]
-            out = self.head(frontier_features[None], self.embed(node_tokens[frontier])[None], copies,
-                            position_ids=positions, attention_mask=mask[None, None], cache=self.cache)[0]
+            out = self.head(
+                frontier_features[None],
+                self.embed(node_tokens[frontier])[None],
+                copies,
+                position_ids=positions,
+                attention_mask=mask[None, None],
+                cache=self.cache,
+            )[0]
             children = add_children(frontier, self._log_probs(out), count)
             count += children.shape[0]
             best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest
@@ -435,6 +442,4 @@ def as_drafter(heads, model, tree=None) -> Drafter:
         if tree is not None:
             raise TreeError(f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead")
         return heads
-    raise TypeError(
-        f"heads must be None, MedusaHeads, EagleHead (see heads.load_heads), a Drafter, or a list of them; got {type(heads).__name__}"
-    )
+    raise TypeError(f"heads must be None, MedusaHeads, EagleHead (see heads.load_heads), a Drafter, or a list of them; got {type(heads).__name__}")

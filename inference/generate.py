@@ -66,9 +66,23 @@ class GenerationStats:
             self.accepted_to_depth[d] += d < accepted
 
     def as_dict(self) -> dict:
-        keys = ("new_tokens", "target_forwards", "mean_accepted", "seconds", "tokens_per_second", "time_to_first_token",
-                "time_per_output_token", "target_seconds", "draft_seconds", "engine_seconds", "tree_nodes", "plain_steps",
-                "acceptance_by_depth", "drafted_to_depth", "accepted_to_depth")
+        keys = (
+            "new_tokens",
+            "target_forwards",
+            "mean_accepted",
+            "seconds",
+            "tokens_per_second",
+            "time_to_first_token",
+            "time_per_output_token",
+            "target_seconds",
+            "draft_seconds",
+            "engine_seconds",
+            "tree_nodes",
+            "plain_steps",
+            "acceptance_by_depth",
+            "drafted_to_depth",
+            "accepted_to_depth",
+        )
         return {key: getattr(self, key) for key in keys}
 
 
@@ -190,8 +204,18 @@ def generate(
     start = clock()
     tokens = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
     tokens[: prompt.shape[0]] = prompt
-    state = Decoding(model, drafter, tokens, prompt.shape[0], prompt.shape[0], max_new_tokens, new_cache(model), GenerationStats(),
-                     torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device), streamer)
+    state = Decoding(
+        model,
+        drafter,
+        tokens,
+        prompt.shape[0],
+        prompt.shape[0],
+        max_new_tokens,
+        new_cache(model),
+        GenerationStats(),
+        torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device),
+        streamer,
+    )
     out = prefill(state)
     done = commit(state, target_tokens(out.logits[0, -1:], sampling, generator))
     state.stats.time_to_first_token = clock() - start

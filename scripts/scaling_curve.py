@@ -29,8 +29,13 @@ def point(result_path: Path) -> dict:
         raise SystemExit(f"{checkpoint}/config.json records no training (tokens, sequences): was it written by training/train_heads.py?")
     summary = result["summary"]
     return {
-        "head": str(checkpoint), "method": method, "tokens": training["tokens"], "sequences": training["sequences"],
-        "steps": training["steps"], "minutes": training["train_seconds"] / 60, "tau": summary["overall"][method]["tau"],
+        "head": str(checkpoint),
+        "method": method,
+        "tokens": training["tokens"],
+        "sequences": training["sequences"],
+        "steps": training["steps"],
+        "minutes": training["train_seconds"] / 60,
+        "tau": summary["overall"][method]["tau"],
         "categories": {c: summary[c][method]["tau"] for c in summary if c != "overall"},
         "turns": sum(1 for r in result["records"]),
     }
@@ -38,14 +43,20 @@ def point(result_path: Path) -> dict:
 
 def table(points: list[dict]) -> str:
     categories = sorted({c for p in points for c in p["categories"]})
-    lines = ["| answers (sequences) | loss tokens | steps | training min | tau | lowest category | "
-             + " | ".join(c.replace("mt_bench/", "mt-") for c in categories) + " |",
-             "|" + "---|" * (6 + len(categories))]
+    lines = [
+        "| answers (sequences) | loss tokens | steps | training min | tau | lowest category | "
+        + " | ".join(c.replace("mt_bench/", "mt-") for c in categories)
+        + " |",
+        "|" + "---|" * (6 + len(categories)),
+    ]
     for p in points:
         low = min(p["categories"], key=p["categories"].get)
-        lines.append(f"| {p['sequences']:,} | {p['tokens']:,} | {p['steps']:,} | {p['minutes']:.0f} | **{p['tau']:.2f}** | "
-                     f"{p['categories'][low]:.2f} ({low.replace('mt_bench/', 'mt-')}) | "
-                     + " | ".join(f"{p['categories'].get(c, float('nan')):.2f}" for c in categories) + " |")
+        lines.append(
+            f"| {p['sequences']:,} | {p['tokens']:,} | {p['steps']:,} | {p['minutes']:.0f} | **{p['tau']:.2f}** | "
+            f"{p['categories'][low]:.2f} ({low.replace('mt_bench/', 'mt-')}) | "
+            + " | ".join(f"{p['categories'].get(c, float('nan')):.2f}" for c in categories)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

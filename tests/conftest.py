@@ -22,9 +22,18 @@ def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=init, bos_token_id=None,
-        eos_token_id=eos, pad_token_id=None, attn_implementation=attn,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=None,
+        attn_implementation=attn,
     )
     torch.manual_seed(seed)
     if family == "llama":
@@ -32,8 +41,19 @@ def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
     elif family == "gpt2":  # learned absolute positions, fused qkv: a different family altogether
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                           initializer_range=init, bos_token_id=eos, eos_token_id=eos, attn_implementation=attn))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=vocab_size,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=256,
+                initializer_range=init,
+                bos_token_id=eos,
+                eos_token_id=eos,
+                attn_implementation=attn,
+            )
+        )
     else:
         raise ValueError(family)
     model.generation_config.eos_token_id = eos
@@ -43,7 +63,9 @@ def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa
 
 def hf_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     out = model.generate(
-        prompt[None], attention_mask=torch.ones(1, prompt.shape[0], dtype=torch.long), do_sample=False,
+        prompt[None],
+        attention_mask=torch.ones(1, prompt.shape[0], dtype=torch.long),
+        do_sample=False,
         max_new_tokens=max_new_tokens,
     )
     return out[0, prompt.shape[0] :].tolist()
@@ -72,26 +94,61 @@ def tiny_chat(tmp_path_factory):
     vocab = {t: i for i, t in enumerate(specials + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
-                                        eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=template)
+    template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=template
+    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(vocab),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.3,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+    )
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     rng = random.Random(0)
     with open(root / "prompts.jsonl", "w") as f:
         for i in range(160):
-            f.write(json.dumps({"id": i, "source": ["chat", "maths"][i % 2], "prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
-                                "response": " ".join(rng.choice(WORDS) for _ in range(16))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": i,
+                        "source": ["chat", "maths"][i % 2],
+                        "prompt": " ".join(rng.choice(WORDS) for _ in range(8)),
+                        "response": " ".join(rng.choice(WORDS) for _ in range(16)),
+                    }
+                )
+                + "\n"
+            )
     # its own answers to every prompt: the distilled corpus the training recipes read (root/distill/model-float32)
     from training.distill import DistillConfig, distill
 
-    distill(DistillConfig(model=str(root / "model"), dtype="float32", prompts=str(root / "prompts.jsonl"), corpus_root=str(root / "distill"),
-                          answers=160, second_turn_share=0, max_new_tokens=32, workers=1, threads=1))
+    distill(
+        DistillConfig(
+            model=str(root / "model"),
+            dtype="float32",
+            prompts=str(root / "prompts.jsonl"),
+            corpus_root=str(root / "distill"),
+            answers=160,
+            second_turn_share=0,
+            max_new_tokens=32,
+            workers=1,
+            threads=1,
+        )
+    )
     return root
 
 

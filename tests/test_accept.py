@@ -44,13 +44,16 @@ def test_warpers_match_hugging_face_semantics():
     assert probs[0, 0] > 0.85 and torch.isclose(probs.sum(), torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-1), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
 def test_bad_sampling_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)

@@ -61,8 +61,12 @@ def broken_heads(model):
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3)).eval()
     medusa.heads[1][0].linear.bias.data[:] = float("nan")
     spec = DynamicTreeSpec(depth=4, top_k=3, nodes=10)
-    return {"eagle-nan-bias": (nan_bias, spec), "eagle-all-inf": (all_inf, spec), "medusa-nan": (medusa, None),
-            "eagle-nan-bias+lookup": ([nan_bias, PromptLookupDrafter()], spec)}
+    return {
+        "eagle-nan-bias": (nan_bias, spec),
+        "eagle-all-inf": (all_inf, spec),
+        "medusa-nan": (medusa, None),
+        "eagle-nan-bias+lookup": ([nan_bias, PromptLookupDrafter()], spec),
+    }
 
 
 @pytest.fixture(scope="module", params=[("llama", "sdpa"), ("qwen2", "eager")], ids=["llama-sdpa", "qwen2-eager"])
@@ -96,8 +100,7 @@ def test_sampling_with_adversarial_trees_stays_the_targets_choice(case):
     model, prompts, references = case
     for i, (prompt, reference) in enumerate(zip(prompts[:10], references)):
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
-        out = generate(model, AdversarialDrafter(full, model.config.vocab_size, seed=i), prompt, max_new_tokens=NEW_TOKENS,
-                       temperature=0.7, top_k=1, seed=i)
+        out = generate(model, AdversarialDrafter(full, model.config.vocab_size, seed=i), prompt, max_new_tokens=NEW_TOKENS, temperature=0.7, top_k=1, seed=i)
         assert out.token_ids == reference, i
 
 
@@ -150,15 +153,18 @@ def float_tokens(tokens):
     return Tree(tree.tokens.float(), tree.parents, tree.depth, tree.ancestors, tree.max_depth)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (wrong_root, "rooted at token .* but the last committed token is"),
-    (parents_after_children, "are not a tree"),
-    (lying_depth, "disagree with its parents"),
-    (lying_ancestors, "disagree with its parents"),
-    (token_out_of_vocabulary, r"outside the vocabulary \[0, 97\)"),
-    (float_tokens, "malformed tree"),
-    (lambda tokens: [int(tokens[-1])], "proposed list, not an inference.Tree"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (wrong_root, "rooted at token .* but the last committed token is"),
+        (parents_after_children, "are not a tree"),
+        (lying_depth, "disagree with its parents"),
+        (lying_ancestors, "disagree with its parents"),
+        (token_out_of_vocabulary, r"outside the vocabulary \[0, 97\)"),
+        (float_tokens, "malformed tree"),
+        (lambda tokens: [int(tokens[-1])], "proposed list, not an inference.Tree"),
+    ],
+)
 def test_malformed_trees_are_errors_that_name_the_drafter(bad, message):
     model = tiny_model("llama", eos=None)
     prompt = torch.arange(4, 12)

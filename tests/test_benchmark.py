@@ -11,13 +11,32 @@ import benchmark  # noqa: E402
 
 def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_path):
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("\n".join(json.dumps(q) for q in [
-        {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
-        {"question_id": 2, "category": "copy", "turns": ["red blue green red blue green red blue"]},
-    ]))
+    questions.write_text(
+        "\n".join(
+            json.dumps(q)
+            for q in [
+                {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
+                {"question_id": 2, "category": "copy", "turns": ["red blue green red blue green red blue"]},
+            ]
+        )
+    )
     out = tmp_path / "report"
-    benchmark.main(["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "hf", "lookup", "hf-lookup",
-                    "--max-new-tokens", "12", "--out", str(out)])
+    benchmark.main(
+        [
+            "--model",
+            str(tiny_chat / "model"),
+            "--questions",
+            str(questions),
+            "--methods",
+            "hf",
+            "lookup",
+            "hf-lookup",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.with_suffix(".json").read_text())
     summary = report["summary"]
     assert set(summary) == {"chat", "copy", "overall"}
@@ -72,11 +91,31 @@ def test_scaling_curve_reads_each_heads_training_tokens(tiny_chat, tmp_path):
     results = []
     for seed, tokens in ((0, 5000), (1, 1000)):
         torch.manual_seed(seed)
-        head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / f"head-{tokens}", model,
-                          training={"tokens": tokens, "sequences": tokens // 50, "steps": 10, "train_seconds": 60.0})
+        head = save_heads(
+            EagleHead(EagleConfig.for_target(model.config)),
+            tmp_path / f"head-{tokens}",
+            model,
+            training={"tokens": tokens, "sequences": tokens // 50, "steps": 10, "train_seconds": 60.0},
+        )
         results.append(tmp_path / f"result-{tokens}")
-        benchmark.main(["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "eagle", "--eagle", str(head),
-                        "--tree", "fixed", "--max-new-tokens", "8", "--out", str(results[-1])])
+        benchmark.main(
+            [
+                "--model",
+                str(tiny_chat / "model"),
+                "--questions",
+                str(questions),
+                "--methods",
+                "eagle",
+                "--eagle",
+                str(head),
+                "--tree",
+                "fixed",
+                "--max-new-tokens",
+                "8",
+                "--out",
+                str(results[-1]),
+            ]
+        )
     scaling_curve.main([str(r.with_suffix(".json")) for r in results] + ["--out", str(tmp_path / "curve")])
     rows = (tmp_path / "curve.md").read_text().splitlines()[2:]
     assert [row.split("|")[2].strip() for row in rows] == ["1,000", "5,000"]  # ordered by training tokens

@@ -44,8 +44,13 @@ def test_eagle_head_gets_a_tree_calibrated_to_the_machine(tiny_chat, tmp_path, c
     assert "calibrating pass costs" in capsys.readouterr().out
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
     main(["the cat runs", "--model", str(tiny_chat / "model"), "--heads", str(tmp_path / "eagle"), "--max-new-tokens", "6", "--tree", "3,2,4"])
-    for tree, message in [("3,2", "is auto or depth,top_k,nodes"), ("a,b,c", "got 'a,b,c'"), ("5,100000,15", "top_k <= 64"),
-                          ("2.5,4,15", "depth,top_k,nodes"), ("20,64,15", "candidate nodes a step")]:
+    for tree, message in [
+        ("3,2", "is auto or depth,top_k,nodes"),
+        ("a,b,c", "got 'a,b,c'"),
+        ("5,100000,15", "top_k <= 64"),
+        ("2.5,4,15", "depth,top_k,nodes"),
+        ("20,64,15", "candidate nodes a step"),
+    ]:
         assert cli(["the cat runs", "--model", str(tiny_chat / "model"), "--heads", str(tmp_path / "eagle"), "--tree", tree], capsys) == 2
         assert message in capsys.readouterr().err
 
@@ -90,8 +95,7 @@ def test_the_installed_command_line_reports_errors_and_ctrl_c_in_one_line(tiny_c
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("python -m inference: error: temperature must be >= 0")
 
-    chat = subprocess.Popen(command + ["--chat"], cwd=ROOT, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    chat = subprocess.Popen(command + ["--chat"], cwd=ROOT, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(120, chat.kill)
     watchdog.start()
     try:

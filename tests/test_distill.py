@@ -15,8 +15,16 @@ from training.distill import FOLLOW_UPS, DistillConfig, distill
 
 
 def settings(tiny_chat, root, **extra):
-    values = dict(model=str(tiny_chat / "model"), dtype="float32", prompts=str(tiny_chat / "prompts.jsonl"), corpus_root=str(root),
-                  max_new_tokens=6, batch_size=3, shard_answers=4, workers=1)
+    values = dict(
+        model=str(tiny_chat / "model"),
+        dtype="float32",
+        prompts=str(tiny_chat / "prompts.jsonl"),
+        corpus_root=str(root),
+        max_new_tokens=6,
+        batch_size=3,
+        shard_answers=4,
+        workers=1,
+    )
     return DistillConfig(**{**values, **extra})
 
 

@@ -18,28 +18,31 @@ def model():
 PROMPT = torch.arange(4, 10)
 
 
-@pytest.mark.parametrize("prompt, kwargs, error, message", [
-    (torch.tensor([], dtype=torch.long), {}, ValueError, "prompt is empty"),
-    ("   ", {"tokenizer": object()}, ValueError, "prompt is empty"),
-    ("hello", {}, ValueError, "needs tokenizer"),
-    (torch.ones(2, 3, dtype=torch.long), {}, ValueError, "one sequence at a time"),
-    (torch.tensor([5, 500]), {}, ValueError, r"token ids must be in \[0, 97\)"),
-    (PROMPT, {"max_new_tokens": 251}, ValueError, "exceeds the model's context of 256"),
-    (PROMPT, {"max_new_tokens": 0}, ValueError, "max_new_tokens must be a positive integer"),
-    (PROMPT, {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
-    (PROMPT, {"temperature": 1.0, "top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
-    (PROMPT, {"temperature": 1.0, "top_p": 1.01}, ValueError, r"top_p must be in \(0, 1\]"),
-    (PROMPT, {"temperature": "0.7"}, ValueError, "temperature must be a finite number, got '0.7'"),
-    (PROMPT, {"temperature": 1.0, "top_p": "0.9"}, ValueError, "top_p must be a finite number"),
-    (PROMPT, {"temperature": float("inf")}, ValueError, "temperature must be a finite number"),
-    (PROMPT, {"temperature": 1.0, "top_k": "5"}, ValueError, "top_k must be a whole number"),
-    (PROMPT, {"temperature": 1.0, "top_k": True}, ValueError, "top_k must be a whole number"),
-    (PROMPT, {"temperature": 1.0, "top_k": 2.5}, ValueError, "top_k must be a whole number"),
-    ([5.9, 7.2], {}, ValueError, "token ids must be integers, got torch.float32"),
-    (torch.tensor([5.0, 7.0]), {}, ValueError, "token ids must be integers"),
-    ([True, False], {}, ValueError, "token ids must be integers"),
-    ([[1, 2], [3]], {}, ValueError, "input_ids must be token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, kwargs, error, message",
+    [
+        (torch.tensor([], dtype=torch.long), {}, ValueError, "prompt is empty"),
+        ("   ", {"tokenizer": object()}, ValueError, "prompt is empty"),
+        ("hello", {}, ValueError, "needs tokenizer"),
+        (torch.ones(2, 3, dtype=torch.long), {}, ValueError, "one sequence at a time"),
+        (torch.tensor([5, 500]), {}, ValueError, r"token ids must be in \[0, 97\)"),
+        (PROMPT, {"max_new_tokens": 251}, ValueError, "exceeds the model's context of 256"),
+        (PROMPT, {"max_new_tokens": 0}, ValueError, "max_new_tokens must be a positive integer"),
+        (PROMPT, {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
+        (PROMPT, {"temperature": 1.0, "top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+        (PROMPT, {"temperature": 1.0, "top_p": 1.01}, ValueError, r"top_p must be in \(0, 1\]"),
+        (PROMPT, {"temperature": "0.7"}, ValueError, "temperature must be a finite number, got '0.7'"),
+        (PROMPT, {"temperature": 1.0, "top_p": "0.9"}, ValueError, "top_p must be a finite number"),
+        (PROMPT, {"temperature": float("inf")}, ValueError, "temperature must be a finite number"),
+        (PROMPT, {"temperature": 1.0, "top_k": "5"}, ValueError, "top_k must be a whole number"),
+        (PROMPT, {"temperature": 1.0, "top_k": True}, ValueError, "top_k must be a whole number"),
+        (PROMPT, {"temperature": 1.0, "top_k": 2.5}, ValueError, "top_k must be a whole number"),
+        ([5.9, 7.2], {}, ValueError, "token ids must be integers, got torch.float32"),
+        (torch.tensor([5.0, 7.0]), {}, ValueError, "token ids must be integers"),
+        ([True, False], {}, ValueError, "token ids must be integers"),
+        ([[1, 2], [3]], {}, ValueError, "input_ids must be token ids"),
+    ],
+)
 def test_bad_generation_input(model, prompt, kwargs, error, message):
     with pytest.raises(error, match=message):
         generate(model, None, prompt, **kwargs)
@@ -77,8 +80,9 @@ def test_not_a_drafter(model):
 def test_sliding_window_models_are_refused_not_silently_wrong():
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           num_key_value_heads=2, sliding_window=16)
+    config = MistralConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16
+    )
     with pytest.raises(NotImplementedError, match="sliding-window"):
         generate(MistralForCausalLM(config).eval(), None, PROMPT)
 
@@ -105,20 +109,22 @@ def test_a_model_whose_forward_takes_no_cache_argument_is_refused(model):
 
 
 def test_a_tokenizer_output_is_accepted_as_prompt(model):
-    assert generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids == \
-        generate(model, None, PROMPT, max_new_tokens=3).token_ids
+    assert generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids == generate(model, None, PROMPT, max_new_tokens=3).token_ids
     with pytest.raises(ValueError, match="no 'input_ids'"):
         generate(model, None, {"ids": [1, 2]})
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(depth=2.5), "depth must be a whole number >= 1, got 2.5"),
-    (dict(top_k=float("nan")), "top_k must be a whole number >= 1, got nan"),
-    (dict(nodes=True), "nodes must be a whole number >= 1, got True"),
-    (dict(top_k=100000), "top_k <= 64"),
-    (dict(nodes=10**6), "nodes <= 1024"),
-    (dict(cost=2.0), "cost must be a PassCost"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(depth=2.5), "depth must be a whole number >= 1, got 2.5"),
+        (dict(top_k=float("nan")), "top_k must be a whole number >= 1, got nan"),
+        (dict(nodes=True), "nodes must be a whole number >= 1, got True"),
+        (dict(top_k=100000), "top_k <= 64"),
+        (dict(nodes=10**6), "nodes <= 1024"),
+        (dict(cost=2.0), "cost must be a PassCost"),
+    ],
+)
 def test_bad_tree_specs_are_refused(settings, message):
     with pytest.raises(TreeError, match=message):
         DynamicTreeSpec(**settings)
@@ -150,7 +156,7 @@ def test_a_damaged_calibration_cache_is_measured_again(model, tmp_path, monkeypa
     monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path)
     calibrate.load_or_measure(model)
     [saved] = tmp_path.glob("*.json")
-    for damage in ('{"tokens": [1, 2', '{"tokens": [1, 2], "relative": [1.0]}', '[]', '{"tokens": [1], "relative": ["x"], "draft_level": 0}'):
+    for damage in ('{"tokens": [1, 2', '{"tokens": [1, 2], "relative": [1.0]}', "[]", '{"tokens": [1], "relative": ["x"], "draft_level": 0}'):
         saved.write_text(damage)
         with pytest.warns(UserWarning, match=f"calibration cached in {saved} is damaged"):
             cost = calibrate.load_or_measure(model)

@@ -198,22 +198,25 @@ def test_saving_over_a_checkpoint_replaces_it_whole(target, tmp_path):
 EAGLE = {"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 16}
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_hedas": 3}, "unknown key"),
-    ({"kind": "medusa", "vocab_size": 10}, "hidden_size"),
-    ({"kind": "hydra"}, "'kind' must be one of"),
-    ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_heads": 0}, "num_heads must be >= 1"),
-    ({**EAGLE, "num_layers": 0}, "num_layers must be >= 1"),
-    ({**EAGLE, "copy_input": "yes"}, "copy_input must be true or false"),
-    ({**EAGLE, "hidden_size": "8"}, "hidden_size must be a whole number, got '8'"),
-    ({**EAGLE, "num_attention_heads": 0}, "num_attention_heads must be >= 1"),
-    ({**EAGLE, "rms_norm_eps": "x"}, "rms_norm_eps must be a finite number"),
-    ({**EAGLE, "rope_theta": -1.0}, "must be > 0"),
-    ({**EAGLE, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
-    ({**EAGLE, "feature_layers": [1.5]}, "feature_layers must be a list of whole numbers"),
-    ({**EAGLE, "num_layers": True}, "num_layers must be a whole number"),
-    ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "rank_accuracy": "high"}, "rank_accuracy must be a list of lists"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_hedas": 3}, "unknown key"),
+        ({"kind": "medusa", "vocab_size": 10}, "hidden_size"),
+        ({"kind": "hydra"}, "'kind' must be one of"),
+        ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "num_heads": 0}, "num_heads must be >= 1"),
+        ({**EAGLE, "num_layers": 0}, "num_layers must be >= 1"),
+        ({**EAGLE, "copy_input": "yes"}, "copy_input must be true or false"),
+        ({**EAGLE, "hidden_size": "8"}, "hidden_size must be a whole number, got '8'"),
+        ({**EAGLE, "num_attention_heads": 0}, "num_attention_heads must be >= 1"),
+        ({**EAGLE, "rms_norm_eps": "x"}, "rms_norm_eps must be a finite number"),
+        ({**EAGLE, "rope_theta": -1.0}, "must be > 0"),
+        ({**EAGLE, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+        ({**EAGLE, "feature_layers": [1.5]}, "feature_layers must be a list of whole numbers"),
+        ({**EAGLE, "num_layers": True}, "num_layers must be a whole number"),
+        ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "rank_accuracy": "high"}, "rank_accuracy must be a list of lists"),
+    ],
+)
 def test_bad_head_configs_are_refused(data, message):
     with pytest.raises(HeadConfigError, match=message):
         head_config_from_dict(data)

@@ -62,8 +62,19 @@ def engine_tv(model, heads, sampling, exact, tree=TREE, max_new_tokens=NEW):
     counts = torch.zeros(len(exact), dtype=torch.float64)
     out, accepted_beyond_root = {}, 0
     for seed in range(max(COUNTS)):
-        g = generate(model, heads, PROMPT, max_new_tokens=max_new_tokens, tree=tree, seed=seed, lookup=False, fallback=False,
-                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        g = generate(
+            model,
+            heads,
+            PROMPT,
+            max_new_tokens=max_new_tokens,
+            tree=tree,
+            seed=seed,
+            lookup=False,
+            fallback=False,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )
         counts[index_of(g.token_ids[:NEW])] += 1
         accepted_beyond_root += g.stats.target_forwards < max_new_tokens
         if seed + 1 in COUNTS:

@@ -23,9 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def recipe(root, out, **extra):
     args = {
-        "model": root / "model", "data.path": root / "prompts.jsonl", "data.eval_prompts": 16,
-        "data.corpus": root / "distill" / "model-float32", "data.cache_dir": root / "cache", "output_dir": out, "batch_size": 8,
-        "learning_rate": 5e-3, "warmup_steps": 10, "max_steps": 150, "eval_every": 50, "save_every": 50,
+        "model": root / "model",
+        "data.path": root / "prompts.jsonl",
+        "data.eval_prompts": 16,
+        "data.corpus": root / "distill" / "model-float32",
+        "data.cache_dir": root / "cache",
+        "output_dir": out,
+        "batch_size": 8,
+        "learning_rate": 5e-3,
+        "warmup_steps": 10,
+        "max_steps": 150,
+        "eval_every": 50,
+        "save_every": 50,
     }
     args.update(extra)
     return [str(x) for k, v in args.items() for x in (f"--{k}", v)]
@@ -47,15 +56,25 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
     from training.distill import DistillConfig, distill
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
-    corpus = distill(DistillConfig(model=str(tiny_chat / "model"), dtype="float32", prompts=str(tiny_chat / "prompts.jsonl"),
-                                   corpus_root=str(tmp_path / "distill"), answers=12, second_turn_share=0, max_new_tokens=8, workers=1))
+    corpus = distill(
+        DistillConfig(
+            model=str(tiny_chat / "model"),
+            dtype="float32",
+            prompts=str(tiny_chat / "prompts.jsonl"),
+            corpus_root=str(tmp_path / "distill"),
+            answers=12,
+            second_turn_share=0,
+            max_new_tokens=8,
+            workers=1,
+        )
+    )
     records = read_corpus(corpus)
     data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), corpus=str(corpus), eval_prompts=4, dataset_responses=8, cache_dir=str(tmp_path / "cache"))
     train_set, eval_set = build_datasets(data, tokenizer, model, "tiny", seed=0)
     # held out: the corpus's first four answers, which are the target's own greedy continuations
     for record, row in zip(records[:4], eval_set):
         prompt = record["prompt_ids"]
-        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(prompt) :].tolist()
         assert row["input_ids"] == prompt + (greedy[: greedy.index(2) + 1] if 2 in greedy else greedy)
     assert len(eval_set) == 4
     # training: the other 8 corpus answers and 8 dataset answers, to 16 different prompts, none of them held out
@@ -108,10 +127,22 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
 
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
-    result = train(recipe(tiny_chat, tmp_path / "medusa", **{"head.kind": "medusa", "head.num_heads": 3, "max_steps": 40, "eval_every": 20,
-                                                             "head.draft_vocab_size": 24,
-                                                             "target_dtype": "bfloat16",
-                                                             "report_to": "tensorboard", "log_every": 5}))
+    result = train(
+        recipe(
+            tiny_chat,
+            tmp_path / "medusa",
+            **{
+                "head.kind": "medusa",
+                "head.num_heads": 3,
+                "max_steps": 40,
+                "eval_every": 20,
+                "head.draft_vocab_size": 24,
+                "target_dtype": "bfloat16",
+                "report_to": "tensorboard",
+                "log_every": 5,
+            },
+        )
+    )
     assert list((tmp_path / "medusa.train-state").rglob("events.out.tfevents.*")), "no tensorboard log written"
     assert result["history"][-1]["eval/loss"] < result["history"][0]["eval/loss"] + 1e-6
     assert {"eval/top1/depth2", "eval/top1/depth4"} <= set(result["history"][-1])
@@ -173,34 +204,63 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
     source.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:16])
     save_heads(source, tmp_path / "one-layer", model, dtype=torch.float32)
     # learning rate 0: the saved head is the warm start itself
-    train(recipe(tiny_chat, tmp_path / "fused", max_steps=2, eval_every=2, learning_rate=0, init_from=tmp_path / "one-layer",
-                 **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"}))
+    train(
+        recipe(
+            tiny_chat,
+            tmp_path / "fused",
+            max_steps=2,
+            eval_every=2,
+            learning_rate=0,
+            init_from=tmp_path / "one-layer",
+            **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"},
+        )
+    )
     fused = load_heads(tmp_path / "fused", model)
     assert torch.equal(fused.draft_ids, source.draft_ids)
     last, low = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
     tokens, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
     with torch.no_grad():
         # bf16 checkpoints: the same head up to one bf16 rounding of its weights
-        torch.testing.assert_close(fused(torch.cat([low, last], -1), tokens, position_ids=positions),
-                                   source.eval()(last, tokens, position_ids=positions), rtol=0.02, atol=0.02)
-        assert not torch.allclose(fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions),
-                                  fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions))
+        torch.testing.assert_close(
+            fused(torch.cat([low, last], -1), tokens, position_ids=positions), source.eval()(last, tokens, position_ids=positions), rtol=0.02, atol=0.02
+        )
+        assert not torch.allclose(
+            fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions), fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions)
+        )
         # raw residual-stream layers are RMS-normalised before fusing: their scale does not matter, the final one's does
         torch.nn.init.normal_(fused.fuse.weight, std=0.1)
-        torch.testing.assert_close(fused(torch.cat([1000 * low, last], -1), tokens, position_ids=positions),
-                                   fused(torch.cat([low, last], -1), tokens, position_ids=positions), rtol=1e-4, atol=1e-4)
-        assert not torch.allclose(fused(torch.cat([low, 1000 * last], -1), tokens, position_ids=positions),
-                                  fused(torch.cat([low, last], -1), tokens, position_ids=positions), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(
+            fused(torch.cat([1000 * low, last], -1), tokens, position_ids=positions),
+            fused(torch.cat([low, last], -1), tokens, position_ids=positions),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+        assert not torch.allclose(
+            fused(torch.cat([low, 1000 * last], -1), tokens, position_ids=positions),
+            fused(torch.cat([low, last], -1), tokens, position_ids=positions),
+            rtol=1e-2,
+            atol=1e-2,
+        )
 
     # a head may grow a copy input too: its weights start at zero, so whatever is copied, it computes what it did
-    train(recipe(tiny_chat, tmp_path / "copying", max_steps=2, eval_every=2, learning_rate=0, init_from=tmp_path / "one-layer",
-                 **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]", "head.copy_input": "true"}))
+    train(
+        recipe(
+            tiny_chat,
+            tmp_path / "copying",
+            max_steps=2,
+            eval_every=2,
+            learning_rate=0,
+            init_from=tmp_path / "one-layer",
+            **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]", "head.copy_input": "true"},
+        )
+    )
     copying = load_heads(tmp_path / "copying", model)
     assert copying.config.copy_input and torch.equal(copying.draft_ids, source.draft_ids)
     with torch.no_grad():
         for copies in (torch.zeros(1, 5, 64), torch.randn(1, 5, 64)):
-            torch.testing.assert_close(copying(torch.cat([low, last], -1), tokens, copies, position_ids=positions),
-                                       source(last, tokens, position_ids=positions), rtol=0.02, atol=0.02)
+            torch.testing.assert_close(
+                copying(torch.cat([low, last], -1), tokens, copies, position_ids=positions), source(last, tokens, position_ids=positions), rtol=0.02, atol=0.02
+            )
         with pytest.raises(ValueError, match="needs copy_embedding"):
             copying(torch.cat([low, last], -1), tokens, position_ids=positions)
 
@@ -224,11 +284,31 @@ def run_script(args, env_extra=None, **kwargs):
 
 
 def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--main_process_port", "29533", "training/train_heads.py"]
-    proc = run_script(launch + recipe(tiny_chat, tmp_path / "ddp", max_steps=6, eval_every=3, save_every=3, target_dtype="bfloat16", eagle_unroll=2,
-                                      **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"}),  # EAGLE-3: fused layers, unrolled
-                     {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "29533",
+        "training/train_heads.py",
+    ]
+    proc = run_script(
+        launch
+        + recipe(
+            tiny_chat,
+            tmp_path / "ddp",
+            max_steps=6,
+            eval_every=3,
+            save_every=3,
+            target_dtype="bfloat16",
+            eagle_unroll=2,
+            **{"head.draft_vocab_size": 16, "head.feature_layers": "[1,-1]"},
+        ),  # EAGLE-3: fused layers, unrolled
+        {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+    )
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
     digests = dict(line.split(": weights sha256 ") for line in output.splitlines() if "weights sha256" in line)
@@ -259,20 +339,23 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
     assert resumed["history"] == reference["history"], "the held-out curve before the kill was lost"
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--max_stepz", "3"], "unknown key"),
-    (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
-    (["--data.prompt_field", "question"], "has no 'question' field"),
-    (["--data.balance_field", "topic"], "is not a field"),
-    (["--head.feature_layers", "[1, 99]"], "reads target layers [99], but the target has 3 hidden states"),
-    (["--head.hidden_size", "32"], "comes from the target"),
-    (["--lr_schedule", "exotic"], "lr_schedule"),
-    (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),
-    (["--target_dtype", "bf32"], "target_dtype must be one of"),
-    (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
-    (["--keep_checkpoints", "0"], "keep_checkpoints must be >= 1"),  # pruning to the newest 0 (or -1) deleted each checkpoint
-    (["--keep_checkpoints", "-1"], "keep_checkpoints must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max_stepz", "3"], "unknown key"),
+        (["--data.path", "/nowhere/prompts.jsonl"], "not found"),
+        (["--data.prompt_field", "question"], "has no 'question' field"),
+        (["--data.balance_field", "topic"], "is not a field"),
+        (["--head.feature_layers", "[1, 99]"], "reads target layers [99], but the target has 3 hidden states"),
+        (["--head.hidden_size", "32"], "comes from the target"),
+        (["--lr_schedule", "exotic"], "lr_schedule"),
+        (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),
+        (["--target_dtype", "bf32"], "target_dtype must be one of"),
+        (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
+        (["--keep_checkpoints", "0"], "keep_checkpoints must be >= 1"),  # pruning to the newest 0 (or -1) deleted each checkpoint
+        (["--keep_checkpoints", "-1"], "keep_checkpoints must be >= 1"),
+    ],
+)
 def test_recipe_mistakes_are_clear_errors(tiny_chat, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
         train(recipe(tiny_chat, tmp_path / "bad", max_steps=1) + extra)

@@ -15,11 +15,15 @@ def checkpoints(root: Path) -> list[str]:
     return sorted(p.name for p in root.glob("step-*"))
 
 
-@pytest.mark.parametrize("save_every, problem", [
-    # learning rate 1e30: finite weights of 1e30 after step 1, infinite ones after step 2, a NaN loss at step 3
-    (50, "training diverged at step 3: the loss is nan"),
-    (1, "training diverged at step 2: the weights hold NaN or infinity"),  # caught before its checkpoint is written
-], ids=["loss", "weights"])
+@pytest.mark.parametrize(
+    "save_every, problem",
+    [
+        # learning rate 1e30: finite weights of 1e30 after step 1, infinite ones after step 2, a NaN loss at step 3
+        (50, "training diverged at step 3: the loss is nan"),
+        (1, "training diverged at step 2: the weights hold NaN or infinity"),  # caught before its checkpoint is written
+    ],
+    ids=["loss", "weights"],
+)
 def test_a_diverging_run_stops_and_saves_nothing_broken(tiny_chat, tmp_path, capsys, save_every, problem):
     out = tmp_path / "heads"
     with pytest.raises(SystemExit) as exit_info:
@@ -37,13 +41,17 @@ def make_folder_with_files(path: Path) -> None:
     (path / "precious.txt").write_text("mine")
 
 
-@pytest.mark.parametrize("setup, output, state, message", [
-    (make_folder_with_files, "d", None, "holds files that are not a head checkpoint (precious.txt, sub)"),
-    (lambda p: p.write_text("mine"), "d", None, "a file of that name exists"),
-    (lambda p: p.write_text("mine"), "d/heads", None, "d is a file, not a folder"),
-    (lambda p: p.write_text("mine"), "heads", "d", "cannot keep training checkpoints in"),
-    (lambda p: p.write_text("mine"), "heads", "d/state", "d is a file, not a folder"),
-], ids=["folder-with-files", "file", "under-a-file", "state-dir-is-a-file", "state-dir-under-a-file"])
+@pytest.mark.parametrize(
+    "setup, output, state, message",
+    [
+        (make_folder_with_files, "d", None, "holds files that are not a head checkpoint (precious.txt, sub)"),
+        (lambda p: p.write_text("mine"), "d", None, "a file of that name exists"),
+        (lambda p: p.write_text("mine"), "d/heads", None, "d is a file, not a folder"),
+        (lambda p: p.write_text("mine"), "heads", "d", "cannot keep training checkpoints in"),
+        (lambda p: p.write_text("mine"), "heads", "d/state", "d is a file, not a folder"),
+    ],
+    ids=["folder-with-files", "file", "under-a-file", "state-dir-is-a-file", "state-dir-under-a-file"],
+)
 def test_output_that_would_destroy_files_is_refused_before_any_work(tiny_chat, tmp_path, capsys, setup, output, state, message):
     setup(tmp_path / "d")
     before = sorted((p.relative_to(tmp_path), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))
@@ -103,15 +111,19 @@ def test_staging_folders_of_a_killed_run_are_removed_at_the_start(tiny_chat, tmp
     assert checkpoints(state) == ["step-0000001"]
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("empty.jsonl", "", "is empty"),
-    ("blank.jsonl", "\n  \n", "holds no records"),
-    ("broken.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n', "broken.jsonl, line 2: not valid JSON"),
-    ("list.jsonl", '{"prompt": "a"}\n["b"]\n', "list.jsonl, line 2: a JSON list, not an object"),
-    ("garbage.json", "garbage {{{", "garbage.json is not valid JSON (line 1, column 1"),
-    ("none.json", "[]", "holds no records"),
-    ("garbage.parquet", "not parquet at all", "garbage.parquet cannot be read as parquet"),
-], ids=["empty", "blank", "broken-line", "not-an-object", "garbage-json", "empty-list", "garbage-parquet"])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.jsonl", "", "is empty"),
+        ("blank.jsonl", "\n  \n", "holds no records"),
+        ("broken.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n{"prompt": "c"}\n', "broken.jsonl, line 2: not valid JSON"),
+        ("list.jsonl", '{"prompt": "a"}\n["b"]\n', "list.jsonl, line 2: a JSON list, not an object"),
+        ("garbage.json", "garbage {{{", "garbage.json is not valid JSON (line 1, column 1"),
+        ("none.json", "[]", "holds no records"),
+        ("garbage.parquet", "not parquet at all", "garbage.parquet cannot be read as parquet"),
+    ],
+    ids=["empty", "blank", "broken-line", "not-an-object", "garbage-json", "empty-list", "garbage-parquet"],
+)
 def test_malformed_data_files_are_named_with_the_line(tmp_path, name, content, message):
     from training.config import ConfigError, DataConfig
     from training.data import load_records

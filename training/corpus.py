@@ -29,8 +29,10 @@ def check_manifest(directory: Path, expected: dict) -> None:
         raise ConfigError(f"{directory} holds answers of another model ({mismatch}); set corpus_root to another folder")
     for key in MANIFEST_KEYS:
         if found.get(key) != expected[key]:
-            raise ConfigError(f"{directory} was written with {key}={found.get(key)!r}, this run would use {expected[key]!r}; "
-                              "answers made differently do not mix: set corpus_root to another folder or the setting back")
+            raise ConfigError(
+                f"{directory} was written with {key}={found.get(key)!r}, this run would use {expected[key]!r}; "
+                "answers made differently do not mix: set corpus_root to another folder or the setting back"
+            )
 
 
 def read_corpus(directory: str | Path) -> list[dict]:

@@ -55,8 +55,10 @@ def load_local_file(path: Path) -> Dataset:
     try:
         return load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
     except (DatasetGenerationError, pyarrow.ArrowException) as error:
-        raise ConfigError(f"data file {path} cannot be read as {path.suffix[1:]} ({error.__cause__ or error}); check that it is "
-                          "a complete file of that format, or convert it to .jsonl with one JSON object per line") from None
+        raise ConfigError(
+            f"data file {path} cannot be read as {path.suffix[1:]} ({error.__cause__ or error}); check that it is "
+            "a complete file of that format, or convert it to .jsonl with one JSON object per line"
+        ) from None
 
 
 def check_json_file(path: Path) -> None:
@@ -71,8 +73,10 @@ def check_json_file(path: Path) -> None:
             document = json.loads(text)
         except json.JSONDecodeError as error:
             if error.msg != "Extra data":  # "Extra data": a first complete value, then more: JSON Lines
-                raise ConfigError(f"data file {path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
-                                  "a .json file holds a list of records [{...}, ...]; fix the file or name it .jsonl, one record per line") from None
+                raise ConfigError(
+                    f"data file {path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
+                    "a .json file holds a list of records [{...}, ...]; fix the file or name it .jsonl, one record per line"
+                ) from None
         else:
             if document in ([], {}):
                 raise ConfigError(f"data file {path} holds no records; it should hold a list of prompt records [{{...}}, ...]")
@@ -88,8 +92,10 @@ def check_json_lines(path: Path, text: str) -> None:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ConfigError(f"data file {path}, line {number}: not valid JSON ({error.msg}, column {error.colno}); each line must "
-                              "be one complete JSON object: fix or delete that line") from None
+            raise ConfigError(
+                f"data file {path}, line {number}: not valid JSON ({error.msg}, column {error.colno}); each line must "
+                "be one complete JSON object: fix or delete that line"
+            ) from None
         if not isinstance(record, dict):
             raise ConfigError(f"data file {path}, line {number}: a JSON {type(record).__name__}, not an object {{...}}; each line must be one record")
         records += 1
@@ -126,6 +132,7 @@ def response_ids(tokenizer, text: str) -> list[int]:
 def collate(pad_id: int):
     """A DataLoader collate_fn: rows right-padded to the longest, with attention and loss masks (and cached
     features, when the rows carry them)."""
+
     def pad(batch):
         width = max(len(x["input_ids"]) for x in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -139,8 +146,7 @@ def collate(pad_id: int):
         out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
         if "features" in batch[0]:  # cached hidden states (training/features.py), padded like the rows
             out["features"] = {
-                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True)
-                for layer in batch[0]["features"]
+                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True) for layer in batch[0]["features"]
             }
         return out
 
@@ -175,8 +181,10 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         used = [r for r in records if r["id"] not in held_out]
         if data.corpus_answers is not None:
             if data.corpus_answers > len(used):
-                raise ConfigError(f"data.corpus_answers is {data.corpus_answers} but {data.corpus} holds {len(used)} answers "
-                                  f"besides the {len(held_out)} held out; write more with `python -m training.distill --answers N`")
+                raise ConfigError(
+                    f"data.corpus_answers is {data.corpus_answers} but {data.corpus} holds {len(used)} answers "
+                    f"besides the {len(held_out)} held out; write more with `python -m training.distill --answers N`"
+                )
             used = used[: data.corpus_answers]
         train += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in used]
         evaluation += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in records if r["id"] in held_out]
@@ -186,8 +194,10 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         evaluation += [] if data.corpus else eval_part
     kept = [x for x in train if any(x["loss_mask"])]  # a prompt longer than max_length leaves nothing to learn
     if not kept:
-        raise ConfigError(f"no training sequences: set data.corpus to a distilled corpus (python -m training.distill), or give "
-                          f"{data.path} {data.response_field!r} responses, and keep data.max_length ({data.max_length}) above the prompts' length")
+        raise ConfigError(
+            f"no training sequences: set data.corpus to a distilled corpus (python -m training.distill), or give "
+            f"{data.path} {data.response_field!r} responses, and keep data.max_length ({data.max_length}) above the prompts' length"
+        )
     random.Random(seed).shuffle(kept)
     evaluation = [x for x in evaluation if any(x["loss_mask"])]
     train_set, eval_set = Dataset.from_list(kept), Dataset.from_list(evaluation or kept[:8])

@@ -145,19 +145,21 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
     for r in order[: cfg.answers - second_turns]:
         if (r[cfg.id_field], 1) not in done:
             user = [{"role": "user", "content": r[cfg.prompt_field]}]
-            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 1, "follow_up": None,
-                           "prompt_ids": prompt_ids(tokenizer, user)})
+            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 1, "follow_up": None, "prompt_ids": prompt_ids(tokenizer, user)})
     # second turns follow first answers already in the corpus; the next run adds those of this run's first turns
     answered = [r for r in order if (r[cfg.id_field], 1) in done][:second_turns]
     for r in answered:
         if (r[cfg.id_field], 2) not in done:
             first = done[(r[cfg.id_field], 1)]
             request = follow_up(r[cfg.id_field], cfg.seed)
-            chat = [{"role": "user", "content": r[cfg.prompt_field]},
-                    {"role": "assistant", "content": tokenizer.decode(first["answer_ids"], skip_special_tokens=True)},
-                    {"role": "user", "content": request}]
-            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request,
-                           "prompt_ids": prompt_ids(tokenizer, chat)})
+            chat = [
+                {"role": "user", "content": r[cfg.prompt_field]},
+                {"role": "assistant", "content": tokenizer.decode(first["answer_ids"], skip_special_tokens=True)},
+                {"role": "user", "content": request},
+            ]
+            wanted.append(
+                {"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request, "prompt_ids": prompt_ids(tokenizer, chat)}
+            )
     return wanted
 
 
@@ -168,8 +170,9 @@ def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> l
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, cache_implementation="static")  # the dynamic cache was erratic for batched bf16
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, cache_implementation="static"
+    )  # the dynamic cache was erratic for batched bf16
     eos = tokenizer.eos_token_id
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
@@ -235,8 +238,10 @@ def distill(cfg: DistillConfig) -> Path:
     written = read_corpus(directory)
     tokens = sum(len(r["answer_ids"]) for r in written) - sum(len(r["answer_ids"]) for r in done.values())
     seconds = time.perf_counter() - began
-    print(f"{directory}: {len(written)} answers ({len(written) - len(done)} new, {tokens} tokens in {seconds / 60:.1f} min, "
-          f"{tokens / seconds:.0f} tokens/s)", file=sys.stderr)
+    print(
+        f"{directory}: {len(written)} answers ({len(written) - len(done)} new, {tokens} tokens in {seconds / 60:.1f} min, {tokens / seconds:.0f} tokens/s)",
+        file=sys.stderr,
+    )
     return directory
 
 

@@ -33,7 +33,13 @@ def sample_positions(mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
 
 
 def medusa_loss(
-    heads, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, decay: float, max_tokens: int,
+    heads,
+    vocab: DraftVocabulary,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    decay: float,
+    max_tokens: int,
     soft_labels: bool = False,
 ):
     """Head k at position t predicts the token at t + k + 2 (the one after next, then further).
@@ -68,8 +74,21 @@ def medusa_loss(
 
 
 def eagle_loss(
-    head, layers: list[int], embed, lm_head, vocab: DraftVocabulary, features: dict[int, torch.Tensor], input_ids, loss_mask, *,
-    regression_weight: float, ce_weight: float, noise: float, unroll: int, max_tokens: int, copy_input: bool = False,
+    head,
+    layers: list[int],
+    embed,
+    lm_head,
+    vocab: DraftVocabulary,
+    features: dict[int, torch.Tensor],
+    input_ids,
+    loss_mask,
+    *,
+    regression_weight: float,
+    ce_weight: float,
+    noise: float,
+    unroll: int,
+    max_tokens: int,
+    copy_input: bool = False,
 ):
     """EAGLE: from (feature of token t, token t+1) predict the feature of t+1 and the target's distribution
     after it. With unroll > 1, EAGLE-3's training-time test: step j feeds the head its own step-(j-1)

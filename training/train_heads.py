@@ -117,9 +117,20 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
     if cfg.head["kind"] == "medusa":
         return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens, cfg.medusa_soft_labels)
     return eagle_loss(
-        heads, layers, target.get_input_embeddings(), lm_head, vocab, features, batch["input_ids"], batch["loss_mask"],
-        regression_weight=cfg.eagle_regression_weight, ce_weight=cfg.eagle_ce_weight, noise=cfg.eagle_noise,
-        unroll=cfg.eagle_unroll, max_tokens=cfg.loss_tokens, copy_input=bool(cfg.head.get("copy_input", False)),
+        heads,
+        layers,
+        target.get_input_embeddings(),
+        lm_head,
+        vocab,
+        features,
+        batch["input_ids"],
+        batch["loss_mask"],
+        regression_weight=cfg.eagle_regression_weight,
+        ce_weight=cfg.eagle_ce_weight,
+        noise=cfg.eagle_noise,
+        unroll=cfg.eagle_unroll,
+        max_tokens=cfg.loss_tokens,
+        copy_input=bool(cfg.head.get("copy_input", False)),
     )
 
 
@@ -185,8 +196,10 @@ def remove_stale_staging(root: Path) -> None:
 def diverged(step: int, problem: str, cfg: TrainConfig, root: Path) -> str:
     """The message that stops a run whose loss or weights are no longer finite."""
     again = f"train again (after moving {root} away)" if latest_checkpoint(root) else "train again"
-    return (f"training diverged at step {step}: {problem}; nothing from this step on was saved. Lower learning_rate "
-            f"(now {cfg.learning_rate}) or raise warmup_steps (now {cfg.warmup_steps}) and {again}")
+    return (
+        f"training diverged at step {step}: {problem}; nothing from this step on was saved. Lower learning_rate "
+        f"(now {cfg.learning_rate}) or raise warmup_steps (now {cfg.warmup_steps}) and {again}"
+    )
 
 
 def shut_down(accelerator) -> None:
@@ -233,8 +246,10 @@ def main(argv=None):
     if args.resume and not args.prepare_data and newest is not None and (output / "config.json").is_file():
         done = checkpoint_state(newest)
         if run_is_over(done, cfg):  # resuming would train past the end and overwrite the finished heads
-            accelerator.print(f"the run is finished (step {done['step']}, max_steps {cfg.max_steps}); its heads are at {output}. "
-                              "Raise --max_steps (or --max_minutes) to train further.")
+            accelerator.print(
+                f"the run is finished (step {done['step']}, max_steps {cfg.max_steps}); its heads are at {output}. "
+                "Raise --max_steps (or --max_minutes) to train further."
+            )
             shut_down(accelerator)
             return {"steps": done["step"], "resumed_from": done["step"], "history": done.get("eval_history", []), "output": str(output), "weights_sha256": None}
     if accelerator.is_main_process:
@@ -275,7 +290,9 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule],
-        optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=cfg.max_steps,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # own generators: starting a loader's iterator must not draw from the global RNG, or a resumed run
@@ -283,7 +300,11 @@ def main(argv=None):
     # padding costs a step as much as real tokens: with length grouping a batch of 8 holds ~1.5x fewer
     sampler = EpochSeededLengthSampler([len(ids) for ids in rows["input_ids"]], cfg.batch_size, cfg.seed) if cfg.group_by_length else None
     loader = DataLoader(
-        train_set, batch_size=cfg.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collate(pad),
+        train_set,
+        batch_size=cfg.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=collate(pad),
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
@@ -362,10 +383,15 @@ def main(argv=None):
                 [round(last.get(f"eval/top1/depth{d}", 0.0), 4)] + [round(last.get(f"eval/rank{r}/depth{d}", 0.0), 4) for r in range(2, 5)]
                 for d in range(2, model.config.num_heads + 2)
             ]
-        training = {"config": cfg.to_dict(), "steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
-                    "sequences": len(rows), "tokens": int(sum(sum(m) for m in rows["loss_mask"])),
-                    # the held-out curve travels with the weights
-                    "eval_history": [{k: round(v, 4) for k, v in entry.items()} for entry in history]}
+        training = {
+            "config": cfg.to_dict(),
+            "steps": state["step"],
+            "train_seconds": round(state["train_seconds"], 1),
+            "sequences": len(rows),
+            "tokens": int(sum(sum(m) for m in rows["loss_mask"])),
+            # the held-out curve travels with the weights
+            "eval_history": [{k: round(v, 4) for k, v in entry.items()} for entry in history],
+        }
         try:  # the output folder is checked at the start, but something may have been put there since
             save_heads(model, output, target, training=training)
         except HeadConfigError as error:
