@@ -47,6 +47,7 @@ FIELD_TYPES = {  # annotation -> (check, what the error says it must be)
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_whole, v)), "a list of whole numbers"),
+    "list[float]": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of finite numbers"),
     "list[list[float]]": (lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v), "a list of lists of numbers"),
 }
 
@@ -217,6 +218,9 @@ class TargetFingerprint:
     num_hidden_layers: int
     weights_sha256: str
     weights_sample: list[float] | None = None
+
+    def __post_init__(self):
+        check_field_types(self)  # a hand-edited config.json is named here, not in a tensor conversion
 
     @classmethod
     def of(cls, model) -> TargetFingerprint:

@@ -101,6 +101,16 @@ def test_checkpoints_without_a_weights_sample_are_matched_on_the_hash(target, tm
         load_heads(path, tiny_model("llama", seed=1))
 
 
+@pytest.mark.parametrize("field, value", [("weights_sample", ["0.1", 0.2]), ("weights_sample", [float("nan")]), ("hidden_size", "64")])
+def test_a_tampered_fingerprint_is_named(target, tmp_path, field, value):
+    path = save_heads(MedusaHeads(MedusaConfig.for_target(target.config)), tmp_path / "h", target)
+    config = json.loads((path / "config.json").read_text())
+    config["target"][field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadConfigError, match=f"TargetFingerprint.{field} must be"):
+        load_heads(path, target)
+
+
 def test_non_finite_weights_are_never_saved_nor_loaded(target, tmp_path):
     heads = MedusaHeads(MedusaConfig.for_target(target.config, num_heads=2))
     heads.heads[1][0].linear.bias.data[3] = float("nan")
