@@ -1,7 +1,8 @@
-"""What a draft head is: modules, typed configs, checkpoints validated against their target."""
+"""What a draft head is (Medusa, EAGLE, early exit): modules, typed configs, checkpoints validated against their target."""
 
-from .config import EagleConfig, HeadConfigError, MedusaConfig, TargetFingerprint
+from .config import EagleConfig, EarlyExitConfig, HeadConfigError, MedusaConfig, TargetFingerprint
 from .eagle import NO_COPY, EagleHead, copy_embedding, copy_tokens
+from .early_exit import EarlyExitHead
 from .io import build_heads, load_heads, save_heads
 from .medusa import MedusaHeads
 from .vocab import DraftVocabulary, most_frequent_tokens
@@ -10,6 +11,8 @@ __all__ = [
     "DraftVocabulary",
     "EagleConfig",
     "EagleHead",
+    "EarlyExitConfig",
+    "EarlyExitHead",
     "HeadConfigError",
     "MedusaConfig",
     "MedusaHeads",

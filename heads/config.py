@@ -47,6 +47,7 @@ FIELD_TYPES = {  # annotation -> (check, what the error says it must be)
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_whole, v)), "a list of whole numbers"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "list[float]": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of finite numbers"),
     "list[list[float]]": (lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v), "a list of lists of numbers"),
 }
@@ -171,6 +172,36 @@ class EagleConfig:
         return cls(**values)
 
 
+@dataclass
+class EarlyExitConfig:
+    """The target's first `exit_layer` layers draft (heads.early_exit); a LoRA adapter of rank `lora_rank` on
+    them (None: none, the untrained exit) adapts their exit to the last layer's predictions."""
+
+    hidden_size: int
+    vocab_size: int
+    exit_layer: int
+    lora_rank: int | None = 16
+    lora_alpha: float = 32.0
+    lora_targets: list[str] | None = None  # module names in each layer, e.g. [q_proj, v_proj]; None = every linear map
+    draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
+    kind: str = "early_exit"
+
+    def __post_init__(self):
+        if self.kind != "early_exit":
+            raise HeadConfigError(f"EarlyExitConfig.kind must be 'early_exit', got {self.kind!r}")
+        check_field_types(self, ("hidden_size", "vocab_size", "exit_layer"))
+        _check_draft_vocab(self)
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise HeadConfigError(f"EarlyExitConfig.lora_rank must be >= 1, or null for no adapter; got {self.lora_rank}")
+
+    @classmethod
+    def for_target(cls, target_config, **overrides) -> EarlyExitConfig:
+        """Exit after a quarter of the layers unless told otherwise."""
+        values = dict(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, exit_layer=max(1, target_config.num_hidden_layers // 4))
+        values.update(overrides)
+        return cls(**values)
+
+
 def check_feature_layers(config, target_config, what: str = "the head") -> None:
     """An EAGLE head reads the target's hidden_states tuple: the embeddings and every layer's output."""
     states = target_config.num_hidden_layers + 1
@@ -190,7 +221,7 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-HEAD_CONFIGS = {"medusa": MedusaConfig, "eagle": EagleConfig}
+HEAD_CONFIGS = {"medusa": MedusaConfig, "eagle": EagleConfig, "early_exit": EarlyExitConfig}
 
 
 def head_config_from_dict(data: dict[str, Any]):

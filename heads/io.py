@@ -15,13 +15,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import HeadConfigError, MedusaConfig, TargetFingerprint, check_feature_layers, dataclass_from_dict, head_config_from_dict
+from .config import EarlyExitConfig, HeadConfigError, MedusaConfig, TargetFingerprint, check_feature_layers, dataclass_from_dict, head_config_from_dict
 from .eagle import EagleHead
+from .early_exit import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EarlyExitHead
 from .medusa import MedusaHeads
 
 FORMAT_VERSION = 1
 CHECKPOINT_KEYS = {"format_version", "head", "target", "training"}
-CHECKPOINT_FILES = {"config.json", "model.safetensors"}
+CHECKPOINT_FILES = {"config.json", "model.safetensors", ADAPTER_CONFIG, ADAPTER_WEIGHTS}  # the adapter: early-exit heads
 
 
 @contextmanager
@@ -84,12 +85,19 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def build_heads(config) -> MedusaHeads | EagleHead:
-    return MedusaHeads(config) if isinstance(config, MedusaConfig) else EagleHead(config)
+def build_heads(config, target=None) -> MedusaHeads | EagleHead | EarlyExitHead:
+    """Fresh heads for `config`; an early-exit head drafts with `target`'s own layers, so it needs the target."""
+    if isinstance(config, MedusaConfig):
+        return MedusaHeads(config)
+    if isinstance(config, EarlyExitConfig):
+        if target is None:
+            raise HeadConfigError("an early-exit head is built on its target's own layers: build_heads(config, target)")
+        return EarlyExitHead(config, target)
+    return EagleHead(config)
 
 
 def save_heads(
-    heads: MedusaHeads | EagleHead,
+    heads: MedusaHeads | EagleHead | EarlyExitHead,
     path: str | os.PathLike,
     target,
     *,
@@ -109,9 +117,11 @@ def save_heads(
         "training": training,
     }
     state = {  # weights in `dtype`; the draft vocabulary's token ids stay integers
-        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous() for name, tensor in heads.state_dict().items()
+        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        for name, tensor in heads.state_dict().items()
+        if not name.startswith("adapter.")  # an early-exit head's adapter goes to peft's own files
     }
-    broken = non_finite_parameters(state)
+    broken = non_finite_parameters(heads.state_dict())
     if broken:
         named = ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else "")
         raise HeadConfigError(f"refusing to save heads with NaN or infinite weights ({named}): training diverged")
@@ -120,6 +130,10 @@ def save_heads(
     os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is an ordinary directory
     try:
         save_file(state, staging / "model.safetensors")
+        if isinstance(heads, EarlyExitHead):
+            heads.save_adapter(staging, dtype)
+            if (staging / ADAPTER_WEIGHTS).exists():
+                os.chmod(staging / ADAPTER_WEIGHTS, 0o666 & ~_umask())
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         os.chmod(staging / "model.safetensors", 0o666 & ~_umask())  # safetensors writes it private
         if path.exists():  # swap: the old checkpoint is removed only once the new one is complete
@@ -160,7 +174,7 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
+def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead | EarlyExitHead:
     """Load heads from `path` for `target`, refusing a checkpoint fitted on another model."""
     path = Path(path)
     config = read_checkpoint_config(path)
@@ -187,10 +201,28 @@ def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead:
             f"{path}/model.safetensors holds NaN or infinite weights ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}): "
             "the training run that wrote it diverged. Train again (a lower learning_rate) or use another checkpoint."
         )
-    heads = build_heads(head_config)
+    heads = build_heads(head_config, target)
     try:
-        heads.load_state_dict(state)
+        if isinstance(heads, EarlyExitHead):
+            heads.load_state_dict({**heads.state_dict(), **state})  # the adapter's entries are read just below
+            if heads.lora is not None:
+                heads.load_adapter(path, _read_adapter(path))
+        else:
+            heads.load_state_dict(state)
     except RuntimeError as error:
         raise HeadConfigError(f"{path}/model.safetensors does not match its config.json: {error}") from None
     parameter = next(target.parameters())
     return heads.to(device=parameter.device, dtype=parameter.dtype).eval()
+
+
+def _read_adapter(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state = load_file(path / ADAPTER_WEIGHTS)
+    except (SafetensorError, FileNotFoundError, OSError) as error:
+        raise HeadConfigError(f"{path}/{ADAPTER_WEIGHTS} cannot be read ({error}): the early-exit adapter is missing or corrupted") from None
+    if not (path / ADAPTER_CONFIG).is_file():
+        raise HeadConfigError(f"{path}/{ADAPTER_CONFIG} is missing: the early-exit adapter is incomplete")
+    broken = non_finite_parameters(state)
+    if broken:
+        raise HeadConfigError(f"{path}/{ADAPTER_WEIGHTS} holds NaN or infinite weights ({', '.join(broken[:3])}): the training run that wrote it diverged")
+    return state

@@ -1,7 +1,7 @@
 """How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
 
 from .accept import Sampling
-from .drafters import Drafter, EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter, medusa_tree_spec
+from .drafters import Drafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter, medusa_tree_spec
 from .generate import Generation, GenerationStats, generate
 from .target import load_target
 from .tree import DynamicTreeSpec, StaticTree, Tree, TreeError, best_static_paths, chain_paths, static_tree
@@ -10,6 +10,7 @@ __all__ = [
     "Drafter",
     "DynamicTreeSpec",
     "EagleDrafter",
+    "EarlyExitDrafter",
     "Generation",
     "GenerationStats",
     "MedusaDrafter",

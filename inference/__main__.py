@@ -21,10 +21,10 @@ from .generate import with_defaults
 
 
 def parse_tree(text: str | None, heads, model):
-    """'depth,top_k,nodes' for an EAGLE head, 'N' (nodes) for Medusa; by default sized to this machine at every step."""
+    """'depth,top_k,nodes' for an EAGLE or early-exit head, 'N' (nodes) for Medusa; by default sized to this machine at every step."""
     if heads is None:
         return None
-    eagle = getattr(heads.config, "kind", "") == "eagle"
+    eagle = getattr(heads.config, "kind", "") in ("eagle", "early_exit")  # both grow dynamic trees
     if text in (None, "auto"):  # from this machine's measured pass costs
         return calibrated_tree(model, heads, verbose=True)
     usage = "auto or depth,top_k,nodes (e.g. 5,4,15)" if eagle else "auto or the number of draft nodes (e.g. 15)"
@@ -33,7 +33,7 @@ def parse_tree(text: str | None, heads, model):
     except ValueError:
         numbers = []
     if len(numbers) != (3 if eagle else 1):
-        raise ValueError(f"--tree for {'an EAGLE head' if eagle else 'Medusa heads'} is {usage}, got {text!r}")
+        raise ValueError(f"--tree for {'an EAGLE or early-exit head' if eagle else 'Medusa heads'} is {usage}, got {text!r}")
     return DynamicTreeSpec(*numbers) if eagle else medusa_tree_spec(heads, nodes=numbers[0])
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from heads import EagleHead, MedusaHeads, TargetFingerprint
+from heads import EagleHead, EarlyExitHead, MedusaHeads, TargetFingerprint
 from heads.io import written_atomically
 
 from .cache import new_cache
-from .drafters import EagleDrafter, medusa_tree_spec
+from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
+TreeHead = EagleHead | EarlyExitHead  # heads whose drafter grows its own trees, a level per head pass
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
@@ -62,7 +63,7 @@ def _median_seconds(run, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure(
-    model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256, token_counts=TOKEN_COUNTS, repeats: int = 7
+    model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256, token_counts=TOKEN_COUNTS, repeats: int = 7
 ) -> tuple[PassCost, float]:
     """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached.
 
@@ -90,17 +91,18 @@ def measure(
     draft_level = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
-        drafter = EagleDrafter(head, model, spec)
+        drafter = as_drafter(head, model, spec)
         drafter.observe({layer: prefill.hidden_states[layer][0] for layer in drafter.hidden_layers}, tokens[1:])
         draft_level = _median_seconds(lambda: drafter.propose(tokens, spec.depth), repeats) / spec.depth / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level)
     return cost, seconds[0]
 
 
-def cache_path(model, head: EagleHead | None, spec: DynamicTreeSpec | None) -> Path:
+def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None) -> Path:
     head_id = None
     if head is not None:
-        head_id = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())).hexdigest()[:16]
+        weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
+        head_id = hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[:16]  # an untrained early exit has no weights
     parts = [
         TargetFingerprint.of(model).weights_sha256,
         str(model.dtype),
@@ -113,7 +115,7 @@ def cache_path(model, head: EagleHead | None, spec: DynamicTreeSpec | None) -> P
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
 
 
-def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False, verbose: bool = False) -> PassCost:
+def load_or_measure(model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False, verbose: bool = False) -> PassCost:
     """The cached calibration for this model/head/dtype/machine, measured first when there is none."""
     path = cache_path(model, head, spec)
     if path.is_file() and not refresh:
@@ -148,8 +150,8 @@ def load_or_measure(model, head: EagleHead | None = None, spec: DynamicTreeSpec 
 def calibrated_tree(model, heads, *, verbose: bool = False) -> DynamicTreeSpec | None:
     """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs."""
     candidates = heads if isinstance(heads, (list, tuple)) else [heads]
-    head = next((h for h in candidates if isinstance(h, (EagleHead, MedusaHeads))), None)
-    if isinstance(head, EagleHead):
+    head = next((h for h in candidates if isinstance(h, (EagleHead, EarlyExitHead, MedusaHeads))), None)
+    if isinstance(head, (EagleHead, EarlyExitHead)):
         return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), verbose=verbose))
     if isinstance(head, MedusaHeads):
         return medusa_tree_spec(head, cost=load_or_measure(model, verbose=verbose))
@@ -163,7 +165,7 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", default=None, help="an EAGLE head checkpoint, to measure a draft level too")
+    parser.add_argument("--heads", default=None, help="an EAGLE or early-exit head checkpoint, to measure a draft level too")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -174,14 +176,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     model, _ = load_target(args.model, dtype=args.dtype)
     head = load_heads(args.heads, model) if args.heads else None
-    if head is not None and not isinstance(head, EagleHead):
-        parser.error(f"{args.heads} holds Medusa heads; calibration measures EAGLE draft levels (omit --heads for pass costs only)")
+    if head is not None and not isinstance(head, (EagleHead, EarlyExitHead)):
+        parser.error(f"{args.heads} holds Medusa heads; calibration measures the draft levels of EAGLE and early-exit heads (omit --heads for pass costs only)")
     cost = load_or_measure(model, head, DynamicTreeSpec() if head is not None else None, refresh=args.refresh, verbose=True)
     print(f"{'tokens':>6}  cost (x one-token pass)")
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")
     if head is not None:
-        print(f"one EAGLE draft level: {cost.draft_level:.3f} x a one-token pass")
+        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import DynamicCache
 
-from heads import DraftVocabulary, EagleHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
+from heads import DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
 from heads.config import check_feature_layers
 
 from .tree import (
@@ -92,8 +92,13 @@ def _check_head_fits(heads, model, what: str) -> None:
             f"{target.vocab_size}: these heads were built for another base model"
         )
     check_feature_layers(config, target, what)
-    parameter = next(heads.parameters())
-    if (parameter.dtype, parameter.device) != (model.dtype, model.device):
+    if isinstance(heads, EarlyExitHead) and not heads.runs_on(model):
+        raise HeadConfigError(
+            f"{what} runs the layers of another model instance, or of this one before it was moved or cast: load it "
+            f"again for this model (heads.load_heads(path, model)) after any .to(...)"
+        )
+    parameter = next(heads.parameters(), None)  # an untrained early exit has none
+    if parameter is not None and (parameter.dtype, parameter.device) != (model.dtype, model.device):
         raise HeadConfigError(
             f"{what} are in {parameter.dtype} on {parameter.device} but the target is in {model.dtype} on {model.device} "
             f"(was the model moved or cast after its heads were loaded?): call heads.to(device=model.device, dtype=model.dtype)"
@@ -177,46 +182,41 @@ RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the 
 MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)
 
 
-class EagleDrafter:
-    """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
+class DynamicTreeDrafter:
+    """EAGLE-2 dynamic trees from a drafter that keeps its own KV cache: grown depth by depth with tree attention
+    inside the drafter, each level expanding the `top_k` likeliest nodes by their path probability, then cut to
+    the `nodes` best (or, with a measured cost, to those that pay for their verification).
 
-    The head reads pairs (feature of token t, token t+1) at position t. `observe` queues the committed
-    pairs; `propose` first feeds them to the head (a head with `copy_input` also reads each pair's copy
-    token, which needs the committed text that `propose` is given), so its cache holds every committed pair
-    and `self.last` is its output for the newest one: the predicted feature of the root, whose logits give
-    the depth-1 candidates. It then grows the tree depth by depth with tree attention inside the head, and
-    drops the draft entries from the head's cache again.
+    A subclass reads the committed text into its cache (`_read_committed`, which leaves `self.last`, its output
+    [H] for the root, and `self.length`, the entries its cache holds) and expands a frontier of draft nodes
+    (`_expand`: their outputs [F, H]); outputs become draft logits through `self.vocab`. Draft entries are
+    dropped from the cache again after every proposal.
     """
 
-    def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
-        _check_head_fits(head, model, "this EAGLE head")
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str):
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
-            raise TreeError(f"the EAGLE drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
-        self.spec = tree or DynamicTreeSpec()
-        k = min(self.spec.top_k, head.config.draft_vocab_size or head.config.vocab_size)
+            raise TreeError(f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
+        self.spec, self.vocab = tree or DynamicTreeSpec(), vocab
+        k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = 1 + k + (self.spec.depth - 1) * k * k  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
             raise TreeError(
                 f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate nodes a step "
                 f"(more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
             )
-        self.head = head
-        self.embed, self.vocab = model.get_input_embeddings(), DraftVocabulary(model.get_output_embeddings(), head.draft_ids)
-        self.hidden_layers = tuple(head.config.feature_layers)
-        self.reset()
 
     def reset(self) -> None:
         self.cache, self.length, self.last = DynamicCache(), 0, None
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed pairs the head has not read yet
-        self.successors: dict[tuple[int, int], int] = {}  # committed bigram -> the token after it (copy_tokens)
         self.levels = self.spec.depth  # with a measured cost: how deep the next tree may grow
-        # How far the head's probabilities hold on this sequence: decayed sums of its top depth-1 draft's
+        # How far the drafter's probabilities hold on this sequence: decayed sums of its top depth-1 draft's
         # probability and of how often the target then chose that token (a prior of one right guess).
         self.guess, self.expected, self.realised = None, 1.0, 1.0
 
     @property
     def reliability(self) -> float:
-        """Observed over predicted acceptance of the head's best depth-1 draft, at most 1."""
+        """Observed over predicted acceptance of the drafter's best depth-1 draft, at most 1."""
         return min(1.0, self.realised / self.expected)
 
     def observe(self, hidden, next_tokens) -> None:
@@ -225,10 +225,113 @@ class EagleDrafter:
             self.expected = RELIABILITY_DECAY * self.expected + probability
             self.realised = RELIABILITY_DECAY * self.realised + float(int(next_tokens[0]) == token)
             self.guess = None
+
+    def _read_committed(self, tokens: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
+        return log_probabilities(self.vocab.logits(outputs))
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        self._read_committed(tokens)
+        depth_limit = min(self.levels, max_depth)
+        if depth_limit < 1:
+            return root_only(tokens)
+        k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
+        nodes = DraftNodes(tokens[-1], 1 + k + (depth_limit - 1) * k * k, self.vocab)
+        frontier = nodes.add_children(torch.zeros(1, dtype=torch.long, device=tokens.device), self._log_probs(self.last)[None], k)
+        states, fed = self.last.expand(k, -1), []
+        for level in range(1, depth_limit):
+            fed.append(frontier)
+            fed_nodes = torch.cat(fed)
+            # a frontier node sees every committed entry and, among the fed draft nodes, its own ancestors
+            committed = torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=tokens.device)
+            allowed = torch.cat([committed, nodes.ancestors[frontier][:, fed_nodes]], dim=1)
+            positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=tokens.device)  # depth d: length + d - 1
+            out = self._expand(nodes, frontier, states, additive_mask(allowed, self.last.dtype)[None, None], positions)
+            children = nodes.add_children(frontier, self._log_probs(out), k)
+            best = nodes.scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest
+            frontier, states = children[best], out[best // k]
+        self.cache.crop(-sum(f.shape[0] for f in fed))
+        return self._select(nodes, depth_limit, max_depth)
+
+    def _select(self, nodes: DraftNodes, depth_limit: int, max_depth: int) -> Tree:
+        """The nodes to verify: the `spec.nodes` likeliest, or with a measured cost those that pay for themselves."""
+        count, scores, depth = nodes.count, nodes.scores, nodes.depth
+        self.guess = (int(nodes.tokens[1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
+        keep_count = self.spec.nodes
+        if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
+            cost = self.spec.cost
+            believed = scores[1:count] + math.log(max(self.reliability, 1e-6))  # an overconfident drafter is discounted
+            keep_count = best_node_count(believed, cost, depth_limit * cost.draft_level, self.spec.nodes)
+        keep = select_best_nodes(scores[:count], depth[:count], keep_count)
+        if self.spec.cost is not None and max_depth >= self.levels:  # not when a caller capped this step's depth
+            self.levels = min(self.spec.depth, int(depth[keep].max()) + 1)
+        return subtree(nodes.tokens, nodes.parents, depth, nodes.ancestors, keep)
+
+
+class DraftNodes:
+    """A tree being grown: node 0 is the root; children are appended level by level with their path scores."""
+
+    def __init__(self, root: torch.Tensor, capacity: int, vocab: DraftVocabulary):
+        device = root.device
+        self.vocab, self.count = vocab, 1
+        self.tokens = torch.empty(capacity, dtype=torch.long, device=device)
+        self.parents = torch.empty_like(self.tokens)
+        self.depth = torch.empty_like(self.tokens)
+        self.scores = torch.empty(capacity, dtype=torch.float32, device=device)  # log-probability of the path
+        self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
+        self.tokens[0], self.parents[0], self.depth[0], self.scores[0], self.ancestors[0, 0] = root, -1, 0, 0.0, True
+
+    def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
+        """Each frontier node's `k` likeliest children (log_probs [F, draft vocab]); returns their indices."""
+        top = log_probs.topk(k, dim=-1)  # [F, k]
+        children = torch.arange(self.count, self.count + top.indices.numel(), device=self.tokens.device)
+        parents = frontier.repeat_interleave(k)
+        self.tokens[children], self.parents[children] = self.vocab.to_target(top.indices).flatten(), parents
+        self.depth[children] = self.depth[parents] + 1
+        self.scores[children] = (self.scores[frontier, None] + top.values).flatten()
+        self.ancestors[children] = self.ancestors[parents]
+        self.ancestors[children, children] = True
+        self.count += children.shape[0]
+        return children
+
+
+class EagleDrafter(DynamicTreeDrafter):
+    """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
+
+    The head reads pairs (feature of token t, token t+1) at position t. `observe` queues the committed
+    pairs; `propose` first feeds them to the head (a head with `copy_input` also reads each pair's copy
+    token, which needs the committed text that `propose` is given), so its cache holds every committed pair
+    and `self.last` is its output for the newest one: the predicted feature of the root, whose logits give
+    the depth-1 candidates. A draft node's input is its parent's predicted feature and its own token.
+    """
+
+    def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
+        _check_head_fits(head, model, "this EAGLE head")
+        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "EAGLE")
+        self.head, self.embed = head, model.get_input_embeddings()
+        self.hidden_layers = tuple(head.config.feature_layers)
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed pairs the head has not read yet
+        self.successors: dict[tuple[int, int], int] = {}  # committed bigram -> the token after it (copy_tokens)
+        self.tail = None  # the committed text's last two tokens, for the copy tokens of draft nodes
+
+    def observe(self, hidden, next_tokens) -> None:
+        super().observe(hidden, next_tokens)
         self.pending.append((torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1), next_tokens))  # fused inside the head
 
-    def _read_pending(self, tokens: torch.Tensor) -> None:
+    def _read_committed(self, tokens: torch.Tensor) -> None:
         """Feed the head the pairs observed since the last proposal; `tokens` is the committed text."""
+        self.tail = tokens[-2:].tolist() if self.head.config.copy_input else None
+        if not self.pending:
+            return
         feature = torch.cat([f for f, _ in self.pending])
         next_tokens = torch.cat([t for _, t in self.pending])
         self.pending = []
@@ -241,6 +344,12 @@ class EagleDrafter:
         positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
         out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], cache=self.cache)
         self.last, self.length = out[0, -1], self.length + k
+
+    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        copies = None
+        if self.tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
+            copies = self._draft_copies(self.tail, nodes.tokens[: nodes.count].tolist(), nodes.parents[: nodes.count].tolist(), frontier.tolist())[None]
+        return self.head(states[None], self.embed(nodes.tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask, cache=self.cache)[0]
 
     def _draft_copies(self, tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int]) -> torch.Tensor:
         """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued
@@ -255,73 +364,32 @@ class EagleDrafter:
             found.append(copy_tokens(text, len(tail) - 1, len(text) - 1, ChainMap({}, self.successors))[-1])
         return copy_embedding(self.embed, torch.tensor(found, device=self.last.device))
 
-    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return log_probabilities(self.vocab.logits(features))
 
-    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        if self.pending:
-            self._read_pending(tokens)
-        depth_limit = min(self.levels, max_depth)
-        if depth_limit < 1:
-            return root_only(tokens)
-        tail = tokens[-2:].tolist() if self.head.config.copy_input else None
-        k, device = min(self.spec.top_k, self.vocab.weight.shape[0]), tokens.device  # a draft vocabulary may be tiny
-        capacity = 1 + k + (depth_limit - 1) * k * k
-        node_tokens = torch.empty(capacity, dtype=torch.long, device=device)
-        parents = torch.empty_like(node_tokens)
-        depth = torch.empty_like(node_tokens)
-        scores = torch.empty(capacity, dtype=torch.float32, device=device)
-        ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
-        node_tokens[0], parents[0], depth[0], scores[0], ancestors[0, 0] = tokens[-1], -1, 0, 0.0, True
+class EarlyExitDrafter(DynamicTreeDrafter):
+    """EAGLE-2 dynamic trees from the target's own first layers (heads.early_exit): a draft node's input is
+    its token alone, at its position, over the early layers' own cache of the committed text.
 
-        def add_children(frontier: torch.Tensor, log_probs: torch.Tensor, start: int) -> torch.Tensor:
-            top = log_probs.topk(k, dim=-1)  # [F, k]
-            children = torch.arange(start, start + top.indices.numel(), device=device)
-            child_parents = frontier.repeat_interleave(k)
-            node_tokens[children], parents[children] = self.vocab.to_target(top.indices).flatten(), child_parents
-            depth[children] = depth[child_parents] + 1
-            scores[children] = (scores[frontier, None] + top.values).flatten()
-            ancestors[children] = ancestors[child_parents]
-            ancestors[children, children] = True
-            return children
+    The cache is the draft's own, not the target's: with an adapter the early layers' keys and values differ
+    from the target's, and draft positions must never enter the target's cache. `propose` first runs the
+    tokens committed since the last proposal (the root last) through the early layers in one pass.
+    """
 
-        children = add_children(torch.zeros(1, dtype=torch.long, device=device), self._log_probs(self.last)[None], 1)
-        count, fed = 1 + k, []
-        frontier, frontier_features = children, self.last.expand(k, -1)
-        for level in range(1, depth_limit):
-            fed.append(frontier)
-            fed_nodes = torch.cat(fed)
-            # a frontier node sees every committed pair and, among the fed draft nodes, its own ancestors
-            allowed = torch.cat([torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=device), ancestors[frontier][:, fed_nodes]], dim=1)
-            mask = additive_mask(allowed, frontier_features.dtype)
-            positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=device)  # depth d: length + d - 1
-            copies = None
-            if tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
-                copies = self._draft_copies(tail, node_tokens[:count].tolist(), parents[:count].tolist(), frontier.tolist())[None]
-            out = self.head(
-                frontier_features[None],
-                self.embed(node_tokens[frontier])[None],
-                copies,
-                position_ids=positions,
-                attention_mask=mask[None, None],
-                cache=self.cache,
-            )[0]
-            children = add_children(frontier, self._log_probs(out), count)
-            count += children.shape[0]
-            best = scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest
-            frontier, frontier_features = children[best], out[best // k]
-        self.cache.crop(-sum(f.shape[0] for f in fed))
+    def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None):
+        _check_head_fits(head, model, "this early-exit head")
+        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit")
+        self.head = head
+        self.reset()
 
-        self.guess = (int(node_tokens[1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
-        nodes = self.spec.nodes
-        if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
-            cost = self.spec.cost
-            believed = scores[1:count] + math.log(max(self.reliability, 1e-6))  # an overconfident head is discounted
-            nodes = best_node_count(believed, cost, depth_limit * cost.draft_level, self.spec.nodes)
-        keep = select_best_nodes(scores[:count], depth[:count], nodes)
-        if self.spec.cost is not None and max_depth >= self.levels:  # not when a caller capped this step's depth
-            self.levels = min(self.spec.depth, int(depth[keep].max()) + 1)
-        return subtree(node_tokens, parents, depth, ancestors, keep)
+    def _read_committed(self, tokens: torch.Tensor) -> None:
+        new = tokens[self.length :]  # the committed text only grows: what the cache holds stays valid
+        if new.shape[0] == 0:
+            return
+        positions = torch.arange(self.length, tokens.shape[0], device=tokens.device)
+        out = self.head(new[None], position_ids=positions[None], cache=self.cache)
+        self.last, self.length = out[0, -1], tokens.shape[0]
+
+    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(nodes.tokens[frontier][None], position_ids=positions, attention_mask=mask, cache=self.cache)[0]
 
 
 class PromptLookupDrafter(TokenDrafter):
@@ -415,7 +483,8 @@ class OracleDrafter(TokenDrafter):
         return self.tree.fill(tokens[-1], candidates).truncate(depth)
 
 
-OWN_DRAFTERS = (NoDrafter, MedusaDrafter, EagleDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
+TRAINED_HEADS = (MedusaHeads, EagleHead, EarlyExitHead)  # what heads.load_heads returns
+OWN_DRAFTERS = (NoDrafter, MedusaDrafter, EagleDrafter, EarlyExitDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
 
 
 def drafter_name(drafter) -> str:
@@ -436,10 +505,12 @@ def as_drafter(heads, model, tree=None) -> Drafter:
         return MedusaDrafter(heads, model, tree)
     if isinstance(heads, EagleHead):
         return EagleDrafter(heads, model, tree)
+    if isinstance(heads, EarlyExitHead):
+        return EarlyExitDrafter(heads, model, tree)
     if isinstance(heads, (list, tuple)):
-        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, (MedusaHeads, EagleHead)) else None) for h in heads])
+        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, TRAINED_HEADS) else None) for h in heads])
     if isinstance(heads, Drafter):
         if tree is not None:
             raise TreeError(f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead")
         return heads
-    raise TypeError(f"heads must be None, MedusaHeads, EagleHead (see heads.load_heads), a Drafter, or a list of them; got {type(heads).__name__}")
+    raise TypeError(f"heads must be None, heads from heads.load_heads, a Drafter, or a list of them; got {type(heads).__name__}")

@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads import EagleHead, MedusaHeads
-
 from .accept import Sampling, accept, target_tokens
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
-from .drafters import NoDrafter, PromptLookupDrafter, as_drafter, drafter_name
+from .drafters import TRAINED_HEADS, NoDrafter, PromptLookupDrafter, as_drafter, drafter_name
 from .fallback import Fallback
 from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
@@ -247,7 +245,7 @@ def generate(
 
 def with_defaults(heads, lookup: bool):
     """A trained head alone gets prompt lookup merged into its tree (unless lookup=False)."""
-    if lookup and isinstance(heads, (MedusaHeads, EagleHead)):
+    if lookup and isinstance(heads, TRAINED_HEADS):
         return [heads, PromptLookupDrafter()]
     return heads
 

@@ -32,14 +32,35 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
-from heads import load_heads  # noqa: E402
+from heads import EarlyExitConfig, EarlyExitHead, load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
 from inference.drafters import medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
-METHODS = ("hf", "hf-lookup", "plain", "lookup", "eagle", "eagle+lookup", "eagle-default", "medusa", "medusa+lookup", "medusa-default")
+METHODS = (
+    "hf",
+    "hf-lookup",
+    "plain",
+    "lookup",
+    "eagle",
+    "eagle+lookup",
+    "eagle-default",
+    "medusa",
+    "medusa+lookup",
+    "medusa-default",
+    "early-exit",
+    "early-exit+lookup",
+    "early-exit-default",
+)
+
+
+def load_early_exit(spec: str, model):
+    """A checkpoint directory, or a bare layer number: the target's untrained exit after that many layers."""
+    if spec.isdigit():
+        return EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=int(spec), lora_rank=None), model).eval()
+    return load_heads(spec, model)
 
 
 def hf_generate(model, prompt, max_new_tokens, **extra):
@@ -60,9 +81,13 @@ def build_methods(args, model, tokenizer):
         if not args.medusa:
             raise SystemExit("the medusa method needs --medusa CHECKPOINT_DIR")
         heads["medusa"] = load_heads(args.medusa, model)
-    # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step
+    if any("early-exit" in m for m in args.methods):
+        if not args.early_exit:
+            raise SystemExit("the early-exit methods need --early-exit CHECKPOINT_DIR (or an exit layer number: the untrained exit)")
+        heads["early-exit"] = load_early_exit(args.early_exit, model)
+    # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
     fixed = args.tree == "fixed"
-    eagle_tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes) if fixed else None
+    grown_tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes) if fixed else None
     medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes) if fixed and "medusa" in heads else None
     for head in heads.values():  # measure this machine's pass costs before any timing (cached afterwards)
         calibrated_tree(model, head, verbose=True)
@@ -80,13 +105,16 @@ def build_methods(args, model, tokenizer):
         "hf-lookup": lambda p: hf_generate(model, p, args.max_new_tokens, prompt_lookup_num_tokens=10),
         "plain": ours(None),
         "lookup": ours(PromptLookupDrafter()),
-        "eagle": ours(heads.get("eagle"), eagle_tree),
-        "eagle+lookup": ours(heads.get("eagle"), eagle_tree, lookup=True),  # with --tree calibrated: the default call
+        "eagle": ours(heads.get("eagle"), grown_tree),
+        "eagle+lookup": ours(heads.get("eagle"), grown_tree, lookup=True),  # with --tree calibrated: the default call
         "medusa": ours(heads.get("medusa"), medusa_tree),
         "medusa+lookup": ours(heads.get("medusa"), medusa_tree, lookup=True),
         # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
         "eagle-default": ours(heads.get("eagle"), tree=None, lookup=True, fallback=True),
         "medusa-default": ours(heads.get("medusa"), tree=None, lookup=True, fallback=True),
+        "early-exit": ours(heads.get("early-exit"), grown_tree),
+        "early-exit+lookup": ours(heads.get("early-exit"), grown_tree, lookup=True),
+        "early-exit-default": ours(heads.get("early-exit"), tree=None, lookup=True, fallback=True),
     }
     return {name: table[name] for name in args.methods}
 
@@ -232,6 +260,7 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=["hf", "hf-lookup", "eagle", "eagle+lookup"], choices=METHODS)
     parser.add_argument("--eagle", help="EAGLE head checkpoint directory")
     parser.add_argument("--medusa", help="Medusa heads checkpoint directory")
+    parser.add_argument("--early-exit", help="early-exit head checkpoint directory, or an exit layer number (the untrained exit)")
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")

@@ -39,8 +39,7 @@ class CheckedEagleDrafter(EagleDrafter):
         return super()._log_probs(features)
 
     def propose(self, tokens, max_depth):
-        if self.pending:  # what propose does first: the head reads the pairs observed since the last step
-            self._read_pending(tokens)
+        self._read_committed(tokens)  # what propose does first: the head reads the pairs observed since the last step
         torch.testing.assert_close(self.last, recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
         self.seen = []
         tree = super().propose(tokens, max_depth)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads import EagleConfig, EagleHead, load_heads
+from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, load_heads
 from inference import DynamicTreeSpec, generate, load_target
 from training.train_heads import main as train
 
@@ -124,6 +124,19 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     saved = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert saved["training"]["steps"] == 150 and saved["training"]["config"]["eagle_unroll"] == 2
     assert saved["training"]["eval_history"][-1] == {k: round(v, 4) for k, v in last.items()}
+
+
+def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_path):
+    result = train(recipe(tiny_chat, tmp_path / "exit", **{"head.kind": "early_exit", "head.exit_layer": 1, "head.lora_rank": 8, "learning_rate": 1e-2}))
+    first, last = result["history"][0], result["history"][-1]
+    assert last["eval/loss"] < first["eval/loss"] and last["eval/agree/depth1"] > first["eval/agree/depth1"]
+    model, tokenizer = load_target(tiny_chat / "model")
+    trained = load_heads(tmp_path / "exit", model)
+    assert isinstance(trained, EarlyExitHead) and (tmp_path / "exit" / "adapter_model.safetensors").is_file()
+    untrained = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
+    held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
+    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
 
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):

@@ -63,7 +63,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    head: dict[str, Any] = field(default_factory=lambda: {"kind": "eagle"})  # kind + options of heads.*Config
+    head: dict[str, Any] = field(default_factory=lambda: {"kind": "eagle"})  # kind (medusa | eagle | early_exit) + options of heads.*Config
     model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
     target_dtype: str = "float32"  # the frozen target's dtype (features, self-distillation); auto: bfloat16 where faster
     data: DataConfig = field(default_factory=DataConfig)
@@ -103,8 +103,8 @@ class TrainConfig:
             self.data = dataclass_from_dict(DataConfig, self.data, "data")
         if isinstance(self.head, dict):
             self.head = {"kind": "eagle", **self.head}  # the default kind, as the field's default says
-        if not isinstance(self.head, dict) or self.head.get("kind") not in ("medusa", "eagle"):
-            raise ConfigError(f"head must be a mapping with kind 'medusa' or 'eagle', got {self.head!r}")
+        if not isinstance(self.head, dict) or self.head.get("kind") not in ("medusa", "eagle", "early_exit"):
+            raise ConfigError(f"head must be a mapping with kind 'medusa', 'eagle' or 'early_exit', got {self.head!r}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
         if self.mixed_precision is False:  # YAML 1.1 reads the bare word `no` (this field's default) as false

@@ -1,4 +1,4 @@
-"""Objectives per head kind, on features of the frozen target. Each returns (loss, metrics).
+"""Objectives per head kind (Medusa, EAGLE, early exit), on features of the frozen target. Each returns (loss, metrics).
 
 The vocabulary projection dominates the cost of a step on a small target (49152 x 576 per token, forward
 and backward), so the cross-entropy terms use at most `max_tokens` randomly chosen loss positions per
@@ -138,6 +138,25 @@ def eagle_loss(
         # has no draft path that deep (never in the loss), so any hidden-sized filler will do
         inputs = torch.cat([predicted[:, :1], predicted[:, :-1]], dim=1)
     return total, metrics
+
+
+def early_exit_loss(head, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids, attention_mask, loss_mask, max_tokens: int):
+    """The exit's distribution at position t against the target's own (its last hidden state at t): soft labels,
+    so the runners-up a tree's other branches draft are taught too, and sampling gets the target's shape."""
+    exit_states = head(input_ids, attention_mask=attention_mask)  # through the adapted early layers
+    where = sample_positions(loss_mask[:, 1:].bool(), max_tokens)  # position t predicts token t + 1, a response token
+    logits = vocab.logits(exit_states[where[:, 0], where[:, 1]]).float()
+    with torch.no_grad():
+        teacher = vocab.logits(hidden[where[:, 0], where[:, 1]]).float()
+        wanted = input_ids[where[:, 0], where[:, 1] + 1]  # the text: what the target itself answered (a corpus)
+    loss = -(torch.softmax(teacher, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    top = vocab.to_target(logits.topk(4, dim=-1).indices)
+    metrics = {
+        "top1/depth1": (top[:, 0] == wanted).float().mean().item(),
+        "top4/depth1": (top == wanted[:, None]).any(-1).float().mean().item(),
+        "agree/depth1": (top[:, 0] == vocab.to_target(teacher.argmax(-1))).float().mean().item(),  # with the target's argmax
+    }
+    return loss, metrics
 
 
 def unroll_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:

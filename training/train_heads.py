@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from heads import DraftVocabulary, EagleConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
+from heads import DraftVocabulary, EagleConfig, EarlyExitConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
 from heads.config import HeadConfigError, check_feature_layers, dataclass_from_dict
 from heads.io import check_output_dir, file_in_the_way, non_finite_parameters
 from inference import load_target
@@ -41,7 +41,7 @@ from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets, collate
 from training.features import WithFeatures, cache_features, features_key
-from training.losses import eagle_loss, medusa_loss, target_features
+from training.losses import eagle_loss, early_exit_loss, medusa_loss, target_features
 
 
 class EpochSeededLengthSampler(LengthGroupedSampler):
@@ -59,7 +59,7 @@ class EpochSeededLengthSampler(LengthGroupedSampler):
 
 def head_config(cfg: TrainConfig, target_config):
     options = {k: v for k, v in cfg.head.items() if k != "kind"}
-    kind = MedusaConfig if cfg.head["kind"] == "medusa" else EagleConfig
+    kind = {"medusa": MedusaConfig, "eagle": EagleConfig, "early_exit": EarlyExitConfig}[cfg.head["kind"]]
     fixed = dict(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size)
     clash = sorted(set(options) & set(fixed))
     if clash:
@@ -114,6 +114,8 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
         features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
     lm_head = target.get_output_embeddings()
     vocab = DraftVocabulary(lm_head, draft_ids)
+    if cfg.head["kind"] == "early_exit":
+        return early_exit_loss(heads, vocab, features[-1], batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
     if cfg.head["kind"] == "medusa":
         return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens, cfg.medusa_soft_labels)
     return eagle_loss(
@@ -260,7 +262,7 @@ def main(argv=None):
     fingerprint = TargetFingerprint.of(target)
     try:  # mistakes in the recipe surface here (before any data is prepared): a clear message, not a traceback
         config = head_config(cfg, target.config)
-        heads = build_heads(config)
+        heads = build_heads(config, target)
         if cfg.init_from:  # its draft vocabulary comes with it: its projection rows were learned for those tokens
             warm_start(heads, cfg.init_from, target)
             accelerator.print(f"starting from the heads at {cfg.init_from}")
