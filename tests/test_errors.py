@@ -73,7 +73,7 @@ def test_heads_built_for_another_model(model):
 
 
 def test_not_a_drafter(model):
-    with pytest.raises(TypeError, match="heads must be None, MedusaHeads, EagleHead"):
+    with pytest.raises(TypeError, match="heads must be None, heads from heads.load_heads, a Drafter"):
         generate(model, "medusa", PROMPT)
 
 
