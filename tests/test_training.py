@@ -137,6 +137,16 @@ def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_
     held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
     tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
     assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
+    # hard labels (the corpus text, the target's own greedy tokens): no pass of the whole target, and it learns too
+    hard = train(
+        recipe(
+            tiny_chat,
+            tmp_path / "exit-hard",
+            **{"head.kind": "early_exit", "head.exit_layer": 1, "early_exit_soft_labels": False, "max_steps": 60, "eval_every": 20},
+        )
+    )
+    assert hard["history"][-1]["eval/loss"] < hard["history"][0]["eval/loss"]
+    assert hard["history"][-1]["eval/top1/depth1"] > hard["history"][0]["eval/top1/depth1"]
 
 
 def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):

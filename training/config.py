@@ -95,6 +95,7 @@ class TrainConfig:
     eagle_ce_weight: float = 0.1  # soft cross-entropy against the target's own distribution
     eagle_noise: float = 0.2  # uniform feature noise, +-noise/2 (EAGLE's augmentation)
     eagle_unroll: int = 1  # EAGLE-3 training-time test: also train on the head's own fed-back features
+    early_exit_soft_labels: bool = True  # against the target's distribution (a pass of the whole target a step), not the text's next token
     loss_tokens: int = 1024  # positions per micro-batch that go through the vocabulary projection
 
     def __post_init__(self):
@@ -115,7 +116,7 @@ class TrainConfig:
             raise ConfigError(f"target_dtype must be one of {sorted(inference.target.DTYPES)} or auto, got {self.target_dtype!r}")
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
-        for name in ("cache_features", "group_by_length", "medusa_soft_labels"):
+        for name in ("cache_features", "group_by_length", "medusa_soft_labels", "early_exit_soft_labels"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         # keep_checkpoints too: the pruning keeps the newest N, and N < 1 would delete each checkpoint as it is written

@@ -140,22 +140,27 @@ def eagle_loss(
     return total, metrics
 
 
-def early_exit_loss(head, vocab: DraftVocabulary, hidden: torch.Tensor, input_ids, attention_mask, loss_mask, max_tokens: int):
-    """The exit's distribution at position t against the target's own (its last hidden state at t): soft labels,
-    so the runners-up a tree's other branches draft are taught too, and sampling gets the target's shape."""
+def early_exit_loss(head, vocab: DraftVocabulary, hidden: torch.Tensor | None, input_ids, attention_mask, loss_mask, max_tokens: int):
+    """The exit's distribution at position t against the target's own (its last hidden state `hidden` at t): soft
+    labels, so the runners-up a tree's other branches draft are taught too. With `hidden` None, against the
+    text's next token: on the target's own greedy answers (a corpus) that is its top choice, and a step needs no
+    pass of the whole target."""
     exit_states = head(input_ids, attention_mask=attention_mask)  # through the adapted early layers
     where = sample_positions(loss_mask[:, 1:].bool(), max_tokens)  # position t predicts token t + 1, a response token
     logits = vocab.logits(exit_states[where[:, 0], where[:, 1]]).float()
-    with torch.no_grad():
-        teacher = vocab.logits(hidden[where[:, 0], where[:, 1]]).float()
-        wanted = input_ids[where[:, 0], where[:, 1] + 1]  # the text: what the target itself answered (a corpus)
-    loss = -(torch.softmax(teacher, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    wanted = input_ids[where[:, 0], where[:, 1] + 1]  # the text: what the target itself answered (a corpus)
+    metrics = {}
+    if hidden is None:
+        drafted = vocab.from_target(wanted)  # -100 (ignored) where the token is outside the draft vocabulary
+        loss = F.cross_entropy(logits, drafted, ignore_index=-100) if (drafted >= 0).any() else logits.sum() * 0.0
+    else:
+        with torch.no_grad():
+            teacher = vocab.logits(hidden[where[:, 0], where[:, 1]]).float()
+        loss = -(torch.softmax(teacher, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        metrics["agree/depth1"] = (logits.argmax(-1) == teacher.argmax(-1)).float().mean().item()  # with the target's top choice
     top = vocab.to_target(logits.topk(4, dim=-1).indices)
-    metrics = {
-        "top1/depth1": (top[:, 0] == wanted).float().mean().item(),
-        "top4/depth1": (top == wanted[:, None]).any(-1).float().mean().item(),
-        "agree/depth1": (top[:, 0] == vocab.to_target(teacher.argmax(-1))).float().mean().item(),  # with the target's argmax
-    }
+    metrics["top1/depth1"] = (top[:, 0] == wanted).float().mean().item()
+    metrics["top4/depth1"] = (top == wanted[:, None]).any(-1).float().mean().item()
     return loss, metrics
 
 

@@ -108,12 +108,14 @@ def warm_start(heads, path: str, target) -> None:
 
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
     """`heads` may be wrapped (DDP, DeepSpeed): it is only ever called, so gradients are synchronised."""
+    lm_head = target.get_output_embeddings()
+    vocab = DraftVocabulary(lm_head, draft_ids)
+    if cfg.head["kind"] == "early_exit" and not cfg.early_exit_soft_labels:  # the labels are the text: no target pass
+        return early_exit_loss(heads, vocab, None, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
     if "features" in batch:
         features = {layer: f.float() for layer, f in batch["features"].items()}
     else:
         features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
-    lm_head = target.get_output_embeddings()
-    vocab = DraftVocabulary(lm_head, draft_ids)
     if cfg.head["kind"] == "early_exit":
         return early_exit_loss(heads, vocab, features[-1], batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
     if cfg.head["kind"] == "medusa":
