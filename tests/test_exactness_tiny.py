@@ -6,10 +6,15 @@ import torch
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, chain_paths, generate, medusa_tree_spec
+from inference.numerics import near_tie
 from inference.tree import PassCost, default_accuracy
 
 PROMPTS = 50
 NEW_TOKENS = 40
+# float32 rounding steps (of the top logit) within which two logits count as tied: a 2-layer pass summed in
+# another order moves a logit by a few steps (6 measured at the closest pair seen); distinct logits here are
+# thousands of steps apart
+FP32_TIE_STEPS = 64
 
 
 def random_prompts(vocab, count, seed):
@@ -38,11 +43,11 @@ def random_heads(model):
     return medusa.eval(), eagle, eagle3, eagle_copy
 
 
-@pytest.fixture(scope="module", params=[("llama", "sdpa"), ("qwen2", "eager")], ids=["llama-sdpa", "qwen2-eager"])
+@pytest.fixture(scope="module", params=[("llama", "sdpa", 11), ("qwen2", "eager", 12)], ids=["llama-sdpa", "qwen2-eager"])
 def case(request):
-    family, attn = request.param
+    family, attn, seed = request.param  # a fixed seed: hash(str) changes from process to process
     model = tiny_model(family, attn=attn)
-    prompts = random_prompts(model.config.vocab_size, PROMPTS, seed=hash(family) % 1000)
+    prompts = random_prompts(model.config.vocab_size, PROMPTS, seed=seed)
     references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     return model, prompts, references
 
@@ -69,18 +74,30 @@ def drafters_for(model, prompt, reference):
     }
 
 
+def first_divergence(ours: list[int], reference: list[int]) -> int:
+    return next((d for d, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+
+
 def test_every_drafter_matches_hf_greedy(case):
+    """Identical, except where float32 itself cannot decide: a pass over several tokens sums in another order
+    than HF's one-token passes, so logits within a few float32 rounding steps of each other may swap. Such
+    a divergence must be proven a near-tie of the target (teacher-forced), and be rare."""
     model, prompts, references = case
-    mismatches, stopped_at_eos, deep_accepts = [], 0, 0
+    mismatches, near_ties, stopped_at_eos, deep_accepts = [], [], 0, 0
     for i, (prompt, reference) in enumerate(zip(prompts, references)):
         stopped_at_eos += len(reference) < NEW_TOKENS
         for name, (heads, tree) in drafters_for(model, prompt, reference).items():
             out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             if out.token_ids != reference:
-                mismatches.append((i, name, out.token_ids, reference))
+                d = first_divergence(out.token_ids, reference)
+                tie = d < min(len(out.token_ids), len(reference)) and near_tie(
+                    model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], steps=FP32_TIE_STEPS
+                )[0]
+                (near_ties if tie else mismatches).append((i, name, d, out.token_ids, reference))
             if name == "oracle-tree-30":
                 deep_accepts += out.stats.mean_accepted > 3
     assert not mismatches, mismatches[:3]
+    assert len(near_ties) <= 2, f"float32 near-ties should be rare with logits this spread: {near_ties[:3]}"
     assert stopped_at_eos >= 5, "the prompts should exercise stopping at EOS"
     assert deep_accepts >= PROMPTS // 2, "the oracle should get whole tree paths accepted"
 
