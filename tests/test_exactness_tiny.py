@@ -90,9 +90,10 @@ def test_every_drafter_matches_hf_greedy(case):
             out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             if out.token_ids != reference:
                 d = first_divergence(out.token_ids, reference)
-                tie = d < min(len(out.token_ids), len(reference)) and near_tie(
-                    model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], steps=FP32_TIE_STEPS
-                )[0]
+                tie = (
+                    d < min(len(out.token_ids), len(reference))
+                    and near_tie(model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], steps=FP32_TIE_STEPS)[0]
+                )
                 (near_ties if tie else mismatches).append((i, name, d, out.token_ids, reference))
             if name == "oracle-tree-30":
                 deep_accepts += out.stats.mean_accepted > 3
