@@ -47,7 +47,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _median_seconds(run, repeats: int) -> float:
+def median_seconds(run, repeats: int) -> float:
     run()  # warm-up
     times = []
     for _ in range(repeats):
@@ -87,13 +87,13 @@ def measure(
         )
         cache.crop(-k)
 
-    seconds = [_median_seconds(lambda k=k: verify(k), repeats) for k in token_counts]
+    seconds = [median_seconds(lambda k=k: verify(k), repeats) for k in token_counts]
     draft_level = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
         drafter = as_drafter(head, model, spec)
         drafter.observe({layer: prefill.hidden_states[layer][0] for layer in drafter.hidden_layers}, tokens[1:])
-        draft_level = _median_seconds(lambda: drafter.propose(tokens, spec.depth), repeats) / spec.depth / seconds[0]
+        draft_level = median_seconds(lambda: drafter.propose(tokens, spec.depth), repeats) / spec.depth / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level)
     return cost, seconds[0]
 

@@ -11,31 +11,17 @@ corpus). Costs are relative to one token through the whole target, with `--conte
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from heads import EarlyExitConfig, EarlyExitHead  # noqa: E402
 from inference import load_target  # noqa: E402
-from inference.calibrate import device_name  # noqa: E402
+from inference.calibrate import device_name, median_seconds  # noqa: E402
 from training.corpus import read_corpus  # noqa: E402
-
-
-def median_seconds(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
