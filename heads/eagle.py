@@ -2,7 +2,11 @@
 
 The decoder is a Hugging Face `LlamaModel` of `config.num_layers` layers (EAGLE's choice of layer, whatever the target's
 family), driven with `inputs_embeds`, explicit positions, a 4D tree mask and its own `DynamicCache`: the same
-machinery the target is driven with, and no copied modeling code.
+machinery the target is driven with, and no copied modeling code. Two published layouts are built from the same
+Hugging Face parts (`EagleConfig.architecture`), so heads trained elsewhere run here exactly as their authors'
+code runs them (heads.formats reads and writes their files):
+- "eagle1" (SafeAILab EAGLE-1/2): the decoder layer without its input norm and without a final norm;
+- "eagle3" (SafeAILab EAGLE-3, SpecForge, speculators, vLLM): `Eagle3Layer`, then a norm and an lm_head of its own.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from collections.abc import MutableMapping, Sequence
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .config import EagleConfig
+from .vocab import DraftVocabulary
 
 NO_COPY = -1  # no earlier occurrence of the bigram: the copy input is a zero vector
 
@@ -41,46 +47,92 @@ def copy_embedding(embed: nn.Module, copies: torch.Tensor) -> torch.Tensor:
     return embed(copies.clamp(min=0)) * found[..., None].to(embed.weight.dtype)
 
 
+def causal_mask(new: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [1, 1, new, past + new]: each new entry sees the cached ones and the new ones up to itself."""
+    allowed = torch.arange(past + new, device=device) <= torch.arange(past, past + new, device=device)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads [input_layernorm(embedding); hidden_norm(feature)] (2H wide) and
+    its residual is the feature. Built from Hugging Face's Llama attention and MLP; only q/k/v are made 2H wide."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, getattr(self.self_attn, name).out_features, bias=False))
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embedding, feature, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        both = torch.cat([self.input_layernorm(embedding), self.hidden_norm(feature)], dim=-1)
+        attended, _ = self.self_attn(both, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+        hidden = feature + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
         n_features = len(config.feature_layers)
+        layer_config = LlamaConfig(
+            vocab_size=1,  # inputs come as embeddings; the token table stays the target's
+            hidden_size=hidden,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+            bos_token_id=None,
+            eos_token_id=None,
+            attn_implementation="sdpa",
+        )
         # EAGLE-3 fuses low/mid/high target layers into one feature; EAGLE-1 uses the last layer as it is.
         self.fuse, self.feature_norms = None, None
         if n_features > 1:
             self.fuse = nn.Linear(n_features * hidden, hidden, bias=False)
+        if n_features > 1 and config.architecture == "specheads":
             # -1, the final hidden state, comes out of the target's final norm; the others are the raw residual
             # stream, whose scale grows with depth (SmolLM2-135M: rms 10 at layer 3, 250 at layer 15, one dimension
             # above 20,000), so they are RMS-normalised before fusing or they swamp the fuse layer and its updates.
             self.feature_norms = nn.ModuleList(nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers)
-        self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden)
-        self.decoder = LlamaModel(
-            LlamaConfig(
-                vocab_size=1,  # inputs come as embeddings; the token table stays the target's
-                hidden_size=hidden,
-                intermediate_size=config.intermediate_size,
-                num_hidden_layers=config.num_layers,
-                num_attention_heads=config.num_attention_heads,
-                num_key_value_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                rms_norm_eps=config.rms_norm_eps,
-                max_position_embeddings=config.max_position_embeddings,
-                rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-                bos_token_id=None,
-                eos_token_id=None,
-                attn_implementation="sdpa",
-            )
-        )
-        self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
+        if config.architecture == "eagle3":
+            self.layer = Eagle3Layer(layer_config)
+            self.rotary = LlamaRotaryEmbedding(layer_config)
+            self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size or config.vocab_size, bias=False)
+        else:
+            self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden, bias=config.fc_bias)
+            self.decoder = LlamaModel(layer_config)
+            self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
+            if config.architecture == "eagle1":  # fc's output goes into attention as it is, and out as it is
+                self.decoder.layers[0].input_layernorm = nn.Identity()
+                self.decoder.norm = nn.Identity()
         # the target's token ids the head drafts from (set by training), saved with the weights
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
+
+    def draft_vocabulary(self, lm_head: nn.Module) -> DraftVocabulary:
+        """How the head's outputs become draft logits: through the target's `lm_head` (restricted to the draft
+        vocabulary), or through the head's own norm and lm_head (eagle3)."""
+        if self.config.architecture == "eagle3":
+            return DraftVocabulary(self.lm_head, self.draft_ids, own_rows=True, target_size=self.config.vocab_size, norm=self.norm)
+        return DraftVocabulary(lm_head, self.draft_ids)
 
     def fuse_features(self, feature: torch.Tensor) -> torch.Tensor:
         """The target's hidden states at `config.feature_layers`, concatenated [..., n * H] -> one feature [..., H]."""
         if self.fuse is None:
             return feature
+        if self.feature_norms is None:
+            return self.fuse(feature)
         layers = feature.split(self.config.hidden_size, dim=-1)
         return self.fuse(torch.cat([norm(layer) for norm, layer in zip(self.feature_norms, layers)], dim=-1))
 
@@ -99,12 +151,18 @@ class EagleHead(nn.Module):
         `feature` is the head's own output fed back [B, T, H], or the target's hidden states at
         `config.feature_layers` concatenated [B, T, n * H], which are fused first (EAGLE-3). With
         `config.copy_input`, `copy_embedding` [B, T, H] is `copy_embedding(embed, copy_tokens(...))`.
+        `attention_mask` is additive, [B, 1, T, cached + T]; None means causal.
         """
         if feature.shape[-1] != self.config.hidden_size:
             feature = self.fuse_features(feature)
         if self.config.copy_input != (copy_embedding is not None):
             needs = "needs" if self.config.copy_input else "takes no"
             raise ValueError(f"this EAGLE head {needs} copy_embedding (config.copy_input is {self.config.copy_input})")
+        if self.config.architecture == "eagle3":
+            past = cache.get_seq_length() if cache is not None else 0
+            if attention_mask is None:
+                attention_mask = causal_mask(feature.shape[1], past, feature.dtype, feature.device)
+            return self.layer(token_embedding, feature, self.rotary(feature, position_ids), attention_mask, cache)
         inputs = [token_embedding, feature] + ([copy_embedding] if self.config.copy_input else [])
         x = self.fc(torch.cat(inputs, dim=-1))
         out = self.decoder(

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from .config import EarlyExitConfig, HeadConfigError, MedusaConfig, TargetFingerprint, check_feature_layers, dataclass_from_dict, head_config_from_dict
 from .eagle import EagleHead
 from .early_exit import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EarlyExitHead
+from .formats import detect_format, load_foreign
 from .medusa import MedusaHeads
 
 FORMAT_VERSION = 1
@@ -175,8 +176,15 @@ def read_checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead | EarlyExitHead:
-    """Load heads from `path` for `target`, refusing a checkpoint fitted on another model."""
+    """Load heads from `path` for `target`, refusing a checkpoint fitted on another model.
+
+    `path` holds heads saved by this project, or a published head (EAGLE-1/2, EAGLE-3 from SafeAILab or
+    SpecForge, speculators, Medusa: heads.formats), recognised from its files."""
     path = Path(path)
+    if (path / "config.json").is_file():
+        fmt = detect_format(path)
+        if fmt != "specheads":
+            return load_foreign(path, target, fmt)
     config = read_checkpoint_config(path)
     head_config = head_config_from_dict(config["head"])
     trained_on = dataclass_from_dict(TargetFingerprint, config["target"], f"{path}/config.json 'target'")

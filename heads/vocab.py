@@ -15,18 +15,33 @@ import torch.nn.functional as F
 
 
 class DraftVocabulary:
-    """The target's output projection restricted to `draft_ids` (all of it when None), sliced once."""
+    """The target's output projection restricted to `draft_ids` (all of it when None), sliced once.
 
-    def __init__(self, lm_head: torch.nn.Module, draft_ids: torch.Tensor | None = None):
+    A head with a projection of its own (EAGLE-3: a norm and an lm_head whose rows are the draft vocabulary's)
+    passes `own_rows=True`, the target's vocabulary size and its `norm`; its weights are used as they are, so
+    training updates them.
+    """
+
+    def __init__(
+        self,
+        lm_head: torch.nn.Module,
+        draft_ids: torch.Tensor | None = None,
+        *,
+        own_rows: bool = False,
+        target_size: int | None = None,
+        norm: torch.nn.Module | None = None,
+    ):
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        if draft_ids is not None:
+        if draft_ids is not None and not own_rows:
             weight = weight[draft_ids]
             bias = None if bias is None else bias[draft_ids]
-        self.ids, self.weight, self.bias = draft_ids, weight, bias
-        self.target_size = lm_head.weight.shape[0]
+        self.ids, self.weight, self.bias, self.norm = draft_ids, weight, bias, norm
+        self.target_size = target_size if own_rows else lm_head.weight.shape[0]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N] over the draft vocabulary."""
+        if self.norm is not None:
+            features = self.norm(features)
         return F.linear(features.to(self.weight.dtype), self.weight, self.bias)
 
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:

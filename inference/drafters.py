@@ -162,7 +162,7 @@ class MedusaDrafter:
             depth = 0
         if depth < 1:
             return root_only(tokens)
-        logits = self.vocab.logits(self.heads(self.hidden)[:depth])  # [depth, N], one projection
+        logits = self.heads.draft_logits(self.heads(self.hidden)[:depth], self.vocab)  # [depth, N], one projection
         top = log_probabilities(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
         tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
         if tree is None:
@@ -312,7 +312,7 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
         _check_head_fits(head, model, "this EAGLE head")
-        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "EAGLE")
+        super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE")
         self.head, self.embed = head, model.get_input_embeddings()
         self.hidden_layers = tuple(head.config.feature_layers)
         self.reset()

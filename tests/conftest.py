@@ -17,15 +17,15 @@ SHARED = Path(os.environ.get("SPECHEADS_SHARED", Path(__file__).resolve().parent
 EOS = 3
 
 
-def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa", seed: int = 0, init: float = 0.15, eos: int | None = EOS):
-    """A 2-layer model whose logits are spread enough that float32 argmaxes are never near-ties."""
+def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa", seed: int = 0, init: float = 0.15, eos: int | None = EOS, layers: int = 2):
+    """A 2-layer (by default) model whose logits are spread enough that float32 argmaxes are never near-ties."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
