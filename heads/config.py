@@ -146,8 +146,6 @@ class EagleConfig:
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
         if self.architecture not in EAGLE_ARCHITECTURES:
             raise HeadConfigError(f"EagleConfig.architecture must be one of {list(EAGLE_ARCHITECTURES)}, got {self.architecture!r}")
-        if self.fc_bias is None:
-            self.fc_bias = self.architecture != "eagle3"
         sizes = (
             "hidden_size",
             "vocab_size",
@@ -173,11 +171,15 @@ class EagleConfig:
             raise HeadConfigError(f"EagleConfig.copy_input is this project's input; the {self.architecture} architecture has none: set copy_input: false")
         if self.architecture == "eagle1" and self.feature_layers != [-1]:
             raise HeadConfigError(f"an eagle1 head reads the target's final hidden state alone: feature_layers must be [-1], got {self.feature_layers}")
-        if self.architecture == "eagle3" and (len(self.feature_layers) < 2 or self.fc_bias):
+        if self.architecture == "eagle3" and (len(self.feature_layers) < 2 or self.fc_bias is True):
             raise HeadConfigError(
                 f"an eagle3 head fuses several target layers without a bias (EAGLE-3: [2, L//2, L-3]); got feature_layers "
                 f"{self.feature_layers} and fc_bias {self.fc_bias}"
             )
+
+    @property
+    def has_fc_bias(self) -> bool:
+        return self.architecture != "eagle3" if self.fc_bias is None else self.fc_bias
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> EagleConfig:

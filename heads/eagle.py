@@ -111,7 +111,7 @@ class EagleHead(nn.Module):
             self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
             self.lm_head = nn.Linear(hidden, config.draft_vocab_size or config.vocab_size, bias=False)
         else:
-            self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden, bias=config.fc_bias)
+            self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden, bias=config.has_fc_bias)
             self.decoder = LlamaModel(layer_config)
             self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
             if config.architecture == "eagle1":  # fc's output goes into attention as it is, and out as it is

@@ -159,7 +159,7 @@ def _eagle_files(heads, target):
     config = _require_eagle(heads, "eagle1", "eagle")
     state = {name.removeprefix("decoder."): tensor for name, tensor in heads.state_dict().items() if name != "decoder.embed_tokens.weight"}
     state["embed_tokens.weight"] = target.get_input_embeddings().weight  # eagle-llm loads strictly: it expects the copy
-    return {**_eagle_config(config), "architectures": ["LlamaForCausalLM"], "bias": config.fc_bias}, state, "pytorch_model.bin"
+    return {**_eagle_config(config), "architectures": ["LlamaForCausalLM"], "bias": config.has_fc_bias}, state, "pytorch_model.bin"
 
 
 def _feature_layers(ids, target, where: Path) -> list[int]:

@@ -115,8 +115,10 @@ def load_target(
     *,
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tokenizer: bool = True,
 ):
     """(model, tokenizer) for a hub id or local directory; None loads the embedded SmolLM2-135M-Instruct.
+    With `tokenizer=False` the tokenizer is not loaded (None in its place).
 
     `dtype` may be "auto": bfloat16 where this device computes it faster than float32 (bfloat16_is_faster).
     Greedy output is exact against the model in the dtype it is loaded in."""
@@ -127,5 +129,4 @@ def load_target(
     model.to(device).eval()
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_NAME
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model, AutoTokenizer.from_pretrained(path) if tokenizer else None

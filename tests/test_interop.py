@@ -226,3 +226,21 @@ def test_bad_files_are_refused_clearly(target, tmp_path):
     (tmp_path / "junk" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(HeadConfigError, match="cannot be read"):
         load_heads(tmp_path / "junk", target)
+
+
+def test_convert_command_round_trips(target, tmp_path, capsys):
+    """python -m heads.convert: published -> ours -> another published format -> the first, the same tensors."""
+    from heads.convert import main
+
+    target.save_pretrained(tmp_path / "model")
+    head = eagle3_head(target, seed=15)
+    write_format(head, tmp_path / "e3", "eagle3", target, dtype=torch.bfloat16)
+    model = ["--model", str(tmp_path / "model")]
+    main([str(tmp_path / "e3"), str(tmp_path / "ours"), "--to", "specheads", *model])
+    main([str(tmp_path / "ours"), str(tmp_path / "spec"), "--to", "speculators", *model])
+    main([str(tmp_path / "spec"), str(tmp_path / "back"), "--to", "eagle3", *model])
+    assert "(eagle3) ->" in capsys.readouterr().out
+    assert detect_format(tmp_path / "ours") == "specheads" and detect_format(tmp_path / "spec") == "speculators"
+    assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (tmp_path / "back" / "model.safetensors").read_bytes()
+    with pytest.raises(HeadConfigError, match="not an empty folder"):
+        main([str(tmp_path / "e3"), str(tmp_path / "back"), "--to", "eagle3", *model])

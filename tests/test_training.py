@@ -126,6 +126,25 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     assert saved["training"]["eval_history"][-1] == {k: round(v, 4) for k, v in last.items()}
 
 
+def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path):
+    """A head trained in EAGLE-3's serving layout learns, and leaves in speculators' format (what vLLM loads) unchanged."""
+    from heads.formats import write_format
+
+    options = {"head.architecture": "eagle3", "head.feature_layers": "[0, 1]", "head.draft_vocab_size": 24, "max_steps": 60, "eval_every": 30}
+    with pytest.raises(SystemExit):  # EAGLE-3 has no target feature to regress on: the default weight is refused
+        train(recipe(tiny_chat, tmp_path / "refused", **options))
+    result = train(recipe(tiny_chat, tmp_path / "eagle3", eagle_regression_weight=0, eagle_unroll=2, **options))
+    first, last = result["history"][0], result["history"][-1]
+    assert last["eval/loss"] < first["eval/loss"] and last["eval/top1/depth1"] > first["eval/top1/depth1"]
+    model, _ = load_target(tiny_chat / "model")
+    trained = load_heads(tmp_path / "eagle3", model)
+    assert trained.config.architecture == "eagle3" and trained.lm_head.weight.shape == (24, model.config.hidden_size)
+    write_format(trained, tmp_path / "served", "speculators", model, dtype=torch.float32)
+    served = load_heads(tmp_path / "served", model)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(tensor, served.state_dict()[name]), name
+
+
 def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     result = train(recipe(tiny_chat, tmp_path / "exit", **{"head.kind": "early_exit", "head.exit_layer": 1, "head.lora_rank": 8, "learning_rate": 1e-2}))
     first, last = result["history"][0], result["history"][-1]

@@ -106,6 +106,11 @@ class TrainConfig:
             self.head = {"kind": "eagle", **self.head}  # the default kind, as the field's default says
         if not isinstance(self.head, dict) or self.head.get("kind") not in ("medusa", "eagle", "early_exit"):
             raise ConfigError(f"head must be a mapping with kind 'medusa', 'eagle' or 'early_exit', got {self.head!r}")
+        if self.head.get("architecture") == "eagle3" and self.eagle_regression_weight:
+            raise ConfigError(
+                "head.architecture eagle3 predicts no target feature to regress on (its output feeds its own norm and lm_head, as "
+                "EAGLE-3's does): set eagle_regression_weight: 0"
+            )
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
         if self.mixed_precision is False:  # YAML 1.1 reads the bare word `no` (this field's default) as false

@@ -89,13 +89,15 @@ def eagle_loss(
     unroll: int,
     max_tokens: int,
     copy_input: bool = False,
+    draft_vocab: DraftVocabulary | None = None,
 ):
     """EAGLE: from (feature of token t, token t+1) predict the feature of t+1 and the target's distribution
     after it. With unroll > 1, EAGLE-3's training-time test: step j feeds the head its own step-(j-1)
     predictions, attending to real features before the draft and its own earlier draft steps, exactly as
     drafting at depth j does. With `copy_input`, the head also reads what prompt lookup would copy after
     token t+1 (heads.eagle.copy_tokens); a draft path j deep has the same tokens as the text here, so every
-    unroll step reads the same copies."""
+    unroll step reads the same copies. `draft_vocab` projects the head's outputs when it has a projection of its
+    own (eagle3: its norm and lm_head); `vocab`, the target's, gives the labels."""
     inputs = torch.cat([features[layer] for layer in layers], dim=-1)[:, :-1]  # fused inside the head
     if head.training and noise > 0:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * noise
@@ -127,7 +129,7 @@ def eagle_loss(
                 # evaluation scores against the target's true next token; training makes do with the
                 # draft vocabulary's view of it, which saves a full-vocabulary projection per step
                 wanted = lm_head(chosen.to(lm_head.weight.dtype)).argmax(-1) if not head.training else vocab.to_target(target_logits.argmax(-1))
-            logits = vocab.logits(predicted[where[:, 0], where[:, 1]]).float()
+            logits = (draft_vocab or vocab).logits(predicted[where[:, 0], where[:, 1]]).float()
             if ce_weight:
                 soft = torch.softmax(target_logits, dim=-1)
                 total = total + ce_weight * -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()

