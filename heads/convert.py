@@ -1,6 +1,6 @@
 """Convert draft heads between this project's checkpoints and the published formats.
 
-    python -m heads.convert SRC DST --to {specheads,eagle,eagle3,speculators,medusa} [--model M]
+    python -m heads.convert SRC DST --to {ours,eagle,eagle3,speculators,medusa} [--model M]
 
 SRC is any directory `heads.load_heads` reads (its format is recognised from its files); DST must be new or
 empty. The target model (`--model`, default the embedded SmolLM2-135M-Instruct) is loaded to check the heads
@@ -23,9 +23,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m heads.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="a head directory: ours, EAGLE-1/2, EAGLE-3 (SafeAILab, SpecForge), speculators or Medusa")
     parser.add_argument("dst", help="a new or empty directory to write")
-    parser.add_argument("--to", required=True, choices=["specheads", *EXPORTS], help="the format to write")
+    parser.add_argument("--to", required=True, choices=["ours", *EXPORTS], help="the format to write")
     parser.add_argument("--model", default=None, help="the heads' target: hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the written weights' dtype (default: as read)")
+    parser.add_argument(
+        "--full-vocabulary", action="store_true", help="medusa: write heads with a reduced draft vocabulary as heads that draft from every token"
+    )
     args = parser.parse_args(argv)
 
     from inference.target import load_target  # the heads package itself does not depend on inference
@@ -34,10 +37,10 @@ def main(argv=None):
     model, _ = load_target(args.model, dtype=torch.float32, tokenizer=False)
     heads = load_heads(args.src, model)
     dtype = getattr(torch, args.dtype) if args.dtype else _stored_dtype(args.src)
-    if args.to == "specheads":
+    if args.to == "ours":
         save_heads(heads, args.dst, model, dtype=dtype)
     else:
-        write_format(heads, args.dst, args.to, model, dtype=dtype)
+        write_format(heads, args.dst, args.to, model, dtype=dtype, full_vocabulary=args.full_vocabulary)
     print(f"{args.src} ({source}) -> {args.dst} ({args.to}, {str(dtype).removeprefix('torch.')})")
 
 

@@ -23,8 +23,8 @@ from .config import EagleConfig, HeadConfigError, MedusaConfig
 from .eagle import EagleHead
 from .medusa import MedusaHeads
 
-FORMATS = ("specheads", "eagle", "eagle3", "speculators", "medusa")
-EXPORTS = ("eagle", "eagle3", "speculators", "medusa")  # what `write_format` writes; "specheads" is heads.save_heads
+FORMATS = ("ours", "eagle", "eagle3", "speculators", "medusa")
+EXPORTS = ("eagle", "eagle3", "speculators", "medusa")  # what `write_format` writes; "ours" is heads.save_heads
 MEDUSA_WEIGHTS = ("medusa_lm_head.pt", "medusa_lm_head.safetensors")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
@@ -37,7 +37,7 @@ def detect_format(path: str | os.PathLike) -> str:
         raise HeadConfigError(f"{path} is not a head checkpoint: no {config_file}")
     config = _read_json(config_file)
     if "head" in config and "target" in config:
-        return "specheads"
+        return "ours"
     if "speculators_model_type" in config:
         if config["speculators_model_type"] != "eagle3":
             raise HeadConfigError(f"{path} is a speculators {config['speculators_model_type']!r} model; only 'eagle3' heads can be loaded")
@@ -75,8 +75,13 @@ def load_foreign(path: str | os.PathLike, target, fmt: str | None = None) -> Eag
     return heads.to(device=parameter.device, dtype=parameter.dtype).eval()
 
 
-def write_format(heads: EagleHead | MedusaHeads, path: str | os.PathLike, fmt: str, target, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `heads` (fitted on `target`) to a new or empty directory in format `fmt` (one of EXPORTS)."""
+def write_format(
+    heads: EagleHead | MedusaHeads, path: str | os.PathLike, fmt: str, target, dtype: torch.dtype = torch.bfloat16, *, full_vocabulary: bool = False
+) -> Path:
+    """Write `heads` (fitted on `target`) to a new or empty directory in format `fmt` (one of EXPORTS).
+
+    Medusa's files have no place for a reduced draft vocabulary: `full_vocabulary=True` writes heads that draft
+    from every token instead (other drafts, the same output); without it such heads are refused."""
     from .io import check_output_dir, written_atomically  # io reads these formats too
 
     writers = {"eagle": _eagle_files, "eagle3": _eagle3_files, "speculators": _speculators_files, "medusa": _medusa_files}
@@ -86,6 +91,12 @@ def write_format(heads: EagleHead | MedusaHeads, path: str | os.PathLike, fmt: s
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise HeadConfigError(f"cannot write {fmt} heads to {path}: it exists and is not an empty folder; choose a new output directory")
     check_output_dir(path)
+    if fmt == "medusa" and isinstance(heads, MedusaHeads) and heads.config.draft_vocab_size is not None and not full_vocabulary:
+        raise HeadConfigError(
+            "these Medusa heads draft from a reduced vocabulary, which Medusa's format cannot hold: pass full_vocabulary=True "
+            "(python -m heads.convert ... --full-vocabulary) to write heads that draft from every token (other drafts, the "
+            "same output), or train them with draft_vocab_size: null"
+        )
     config, state, weights_name = writers[fmt](heads, target)
     state = {name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous() for name, tensor in state.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,15 +132,15 @@ def _eagle_config(head: EagleConfig) -> dict[str, Any]:
     }
 
 
-def _eagle_head_config(config: dict[str, Any], target, where: Path, **fields) -> EagleConfig:
+def _eagle_head_config(config: dict[str, Any], where: Path, **fields) -> EagleConfig:
     """Our EagleConfig from a Llama-style config dict (SafeAILab, SpecForge, speculators' transformer_layer_config)."""
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise HeadConfigError(f"{where}: rope scaling {rope} is not supported for a draft head; only plain RoPE is")
     if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("qkv_bias") or config.get("mlp_bias"):
         raise HeadConfigError(f"{where}: only Llama-style draft layers (silu, no attention or MLP biases) are supported")
-    heads = config["num_attention_heads"]
     try:
+        heads = config["num_attention_heads"]
         return EagleConfig(
             hidden_size=config["hidden_size"],
             vocab_size=config["vocab_size"],
@@ -149,7 +160,7 @@ def _eagle_head_config(config: dict[str, Any], target, where: Path, **fields) ->
 
 def _read_eagle(path: Path, config, target):
     state = _read_weights(path, WEIGHTS)
-    head_config = _eagle_head_config(config, target, path, architecture="eagle1", fc_bias="fc.bias" in state)
+    head_config = _eagle_head_config(config, path, architecture="eagle1", fc_bias="fc.bias" in state)
     _check_sizes(head_config, target, path)
     ours = {("decoder." + name if name.startswith("layers.") else name): tensor for name, tensor in state.items() if name != "embed_tokens.weight"}
     return EagleHead(head_config), ours, state.get("embed_tokens.weight")
@@ -183,9 +194,8 @@ def _eagle3_heads(path: Path, config, state, feature_layers, target, layer_prefi
     if config.get("num_hidden_layers", 1) != 1:
         raise HeadConfigError(f"{path}: EAGLE-3 heads of more than one layer are not supported")
     draft_size = state["lm_head.weight"].shape[0]
-    head_config = _eagle_head_config(
-        config, target, path, architecture="eagle3", feature_layers=feature_layers, draft_vocab_size=draft_size if draft_size < config["vocab_size"] else None
-    )
+    mapped = draft_size < config["vocab_size"] or bool(state.get("d2t", torch.zeros(1)).any())  # a draft vocabulary, or a reordered one
+    head_config = _eagle_head_config(config, path, architecture="eagle3", feature_layers=feature_layers, draft_vocab_size=draft_size if mapped else None)
     _check_sizes(head_config, target, path)
     ours = {"fuse.weight": state["fc.weight"], "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
     ours.update({"layer." + name.removeprefix(layer_prefix): t for name, t in state.items() if name.startswith(layer_prefix)})
@@ -296,19 +306,24 @@ def _read_medusa(path: Path, config, target):
 def _medusa_files(heads, target):
     if not isinstance(heads, MedusaHeads):
         raise HeadConfigError(f"only Medusa heads can be written in Medusa's format, not {heads.config.kind} heads")
-    if heads.config.draft_vocab_size is not None:
-        raise HeadConfigError(
-            "these Medusa heads draft from a reduced vocabulary, which Medusa's format cannot hold: its heads would draft from "
-            "every token (other drafts, the same output); train heads with draft_vocab_size: null to export them"
-        )
     config, state = heads.config, {}
     for name, tensor in heads.state_dict().items():
+        if name == "draft_ids":  # dropped: the heads draft from every token (write_format's full_vocabulary)
+            continue
         kind, head, rest = name.split(".", 2)
         state[f"{head}.{config.num_layers}.{rest}" if kind == "lm_heads" else f"{head}.{rest}"] = tensor
     if heads.lm_heads is None:  # ours project with the target's lm_head; Medusa's files hold a copy per head
         for head in range(config.num_heads):
             state[f"{head}.{config.num_layers}.weight"] = target.get_output_embeddings().weight
-    out = {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers, "base_model_name_or_path": target.config._name_or_path or None}
+    out = {
+        "medusa_num_heads": config.num_heads,
+        "medusa_num_layers": config.num_layers,
+        "base_model_name_or_path": target.config._name_or_path or None,
+        # read by vLLM, which otherwise assumes 4096 / 32001 and drops the blocks' biases
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "medusa_fc_bias": True,
+    }
     return out, state, "medusa_lm_head.pt"  # the name every version of FasterDecoding's Medusa reads
 
 

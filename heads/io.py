@@ -183,7 +183,7 @@ def load_heads(path: str | os.PathLike, target) -> MedusaHeads | EagleHead | Ear
     path = Path(path)
     if (path / "config.json").is_file():
         fmt = detect_format(path)
-        if fmt != "specheads":
+        if fmt != "ours":
             return load_foreign(path, target, fmt)
     config = read_checkpoint_config(path)
     head_config = head_config_from_dict(config["head"])

@@ -31,6 +31,7 @@ METHOD_FOR = {"speculators": "eagle3", "medusa": "medusa"}
 def run_ours(args) -> None:
     import torch
 
+    from common import chat_prompt, read_questions
     from heads import load_heads
     from heads.formats import write_format
     from inference import DynamicTreeSpec, generate, load_target
@@ -44,8 +45,7 @@ def run_ours(args) -> None:
     draft = out / f"draft-{fmt}"
     if not draft.exists():
         write_format(heads, draft, fmt, model, dtype=torch.float32)
-    questions = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True) for q in questions[: args.prompts]]
+    prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in read_questions(args.questions, args.prompts)]
     depth = min(args.depth, heads.config.num_heads) if heads.config.kind == "medusa" else args.depth
     tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)  # a chain, as vLLM drafts
     rows = []
@@ -80,7 +80,16 @@ def run_vllm(args) -> None:
     speculative = None
     if args.speculate:
         speculative = {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": setup["depth"]}
-    llm = LLM(model=setup["target"], speculative_config=speculative, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, disable_log_stats=False)
+    llm = LLM(
+        model=setup["target"],
+        speculative_config=speculative,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        seed=0,
+        disable_log_stats=False,  # keeps the speculation counters
+        gpu_memory_utilization=0.3,  # on a CPU: the share of RAM reserved for the KV cache (default 0.92)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=setup["max_new_tokens"])
     started = time.perf_counter()
     results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in setup["prompts"]], params)

@@ -176,6 +176,12 @@ def test_medusa_round_trip(target, tmp_path):
     hidden, lm_head = torch.randn(64), DraftVocabulary(target.get_output_embeddings())
     with torch.no_grad():
         torch.testing.assert_close(loaded.draft_logits(loaded(hidden), lm_head), heads.draft_logits(heads(hidden), lm_head))
+    # heads with a reduced draft vocabulary go out only when told to draft from every token instead
+    reduced = MedusaHeads(MedusaConfig.for_target(target.config, num_heads=3, num_layers=2, draft_vocab_size=30))
+    with pytest.raises(HeadConfigError, match="full_vocabulary=True"):
+        write_format(reduced, tmp_path / "reduced", "medusa", target)
+    write_format(reduced, tmp_path / "reduced", "medusa", target, full_vocabulary=True)
+    assert load_heads(tmp_path / "reduced", target).draft_ids is None
     write_format(loaded, tmp_path / "again", "medusa", target, dtype=torch.float32)
     again = torch.load(tmp_path / "again" / "medusa_lm_head.pt", weights_only=True)
     assert again.keys() == state.keys() and all(torch.equal(again[name], state[name]) for name in state)
@@ -201,7 +207,7 @@ def test_decoding_with_published_layouts_is_exact(target, kind):
 def test_our_own_format_still_loads(target, tmp_path):
     head = eagle3_head(target, seed=12)
     save_heads(head, tmp_path / "ours", target, dtype=torch.float32)
-    assert detect_format(tmp_path / "ours") == "specheads"
+    assert detect_format(tmp_path / "ours") == "ours"
     same_state(head, load_heads(tmp_path / "ours", target))
 
 
@@ -221,6 +227,11 @@ def test_bad_files_are_refused_clearly(target, tmp_path):
     last = EagleHead(EagleConfig.for_target(target.config, architecture="eagle3", feature_layers=[2, 4, -1]))
     with pytest.raises(HeadConfigError, match="after the final norm"):
         write_format(last, tmp_path / "y", "eagle3", target)
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    del config["intermediate_size"]
+    (tmp_path / "e3" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadConfigError, match="lacks 'intermediate_size'"):
+        load_heads(tmp_path / "e3", target)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "config.json").write_text('{"hello": 1}')
     (tmp_path / "junk" / "model.safetensors").write_bytes(b"not safetensors")
@@ -236,11 +247,11 @@ def test_convert_command_round_trips(target, tmp_path, capsys):
     head = eagle3_head(target, seed=15)
     write_format(head, tmp_path / "e3", "eagle3", target, dtype=torch.bfloat16)
     model = ["--model", str(tmp_path / "model")]
-    main([str(tmp_path / "e3"), str(tmp_path / "ours"), "--to", "specheads", *model])
+    main([str(tmp_path / "e3"), str(tmp_path / "ours"), "--to", "ours", *model])
     main([str(tmp_path / "ours"), str(tmp_path / "spec"), "--to", "speculators", *model])
     main([str(tmp_path / "spec"), str(tmp_path / "back"), "--to", "eagle3", *model])
     assert "(eagle3) ->" in capsys.readouterr().out
-    assert detect_format(tmp_path / "ours") == "specheads" and detect_format(tmp_path / "spec") == "speculators"
+    assert detect_format(tmp_path / "ours") == "ours" and detect_format(tmp_path / "spec") == "speculators"
     assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (tmp_path / "back" / "model.safetensors").read_bytes()
     with pytest.raises(HeadConfigError, match="not an empty folder"):
         main([str(tmp_path / "e3"), str(tmp_path / "back"), "--to", "eagle3", *model])
