@@ -162,7 +162,7 @@ class MedusaDrafter:
             depth = 0
         if depth < 1:
             return root_only(tokens)
-        logits = self.heads.draft_logits(self.heads(self.hidden)[:depth], self.vocab)  # [depth, N], one projection
+        logits = self.heads.draft_logits(self.heads(self.hidden)[:depth], self.vocab)  # [depth, N], one projection for all heads
         top = log_probabilities(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
         tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
         if tree is None:

@@ -126,13 +126,17 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     assert saved["training"]["eval_history"][-1] == {k: round(v, 4) for k, v in last.items()}
 
 
-def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path):
+def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path, capsys):
     """A head trained in EAGLE-3's serving layout learns, and leaves in speculators' format (what vLLM loads) unchanged."""
     from heads.formats import write_format
 
     options = {"head.architecture": "eagle3", "head.feature_layers": "[0, 1]", "head.draft_vocab_size": 24, "max_steps": 60, "eval_every": 30}
     with pytest.raises(SystemExit):  # EAGLE-3 has no target feature to regress on: the default weight is refused
         train(recipe(tiny_chat, tmp_path / "refused", **options))
+    assert "set eagle_regression_weight: 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # lm_heads of their own are read from Medusa's files, never trained here
+        train(recipe(tiny_chat, tmp_path / "refused", **{"head.kind": "medusa", "head.own_lm_heads": "true"}))
+    assert "head.own_lm_heads is for Medusa heads read from FasterDecoding's files" in capsys.readouterr().err
     result = train(recipe(tiny_chat, tmp_path / "eagle3", eagle_regression_weight=0, eagle_unroll=2, **options))
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"] and last["eval/top1/depth1"] > first["eval/top1/depth1"]

@@ -78,6 +78,8 @@ def head_config(cfg: TrainConfig, target_config):
     defaults = kind.for_target(target_config)
     config = dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
     check_feature_layers(config, target_config, "head.feature_layers: the head")
+    if getattr(config, "own_lm_heads", False):
+        raise ConfigError("head.own_lm_heads is for Medusa heads read from FasterDecoding's files; heads trained here project with the target's lm_head")
     return config
 
 
