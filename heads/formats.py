@@ -226,6 +226,10 @@ def _aux_layer_ids(heads: EagleHead, target) -> list[int]:
             "this head reads the target's final hidden state (layer -1), which Hugging Face gives after the final norm but vLLM "
             "captures before it: an EAGLE-3 export would read other numbers; train with feature_layers below the last layer"
         )
+    if ids != sorted(set(ids)):
+        raise HeadConfigError(
+            f"feature_layers {heads.config.feature_layers} must be distinct and ascending to export: vLLM concatenates the layers in that order"
+        )
     return ids
 
 

@@ -227,6 +227,9 @@ def test_bad_files_are_refused_clearly(target, tmp_path):
     last = EagleHead(EagleConfig.for_target(target.config, architecture="eagle3", feature_layers=[2, 4, -1]))
     with pytest.raises(HeadConfigError, match="after the final norm"):
         write_format(last, tmp_path / "y", "eagle3", target)
+    shuffled = EagleHead(EagleConfig.for_target(target.config, architecture="eagle3", feature_layers=[4, 2, 5]))
+    with pytest.raises(HeadConfigError, match="distinct and ascending"):
+        write_format(shuffled, tmp_path / "z", "speculators", target)
     config = json.loads((tmp_path / "e3" / "config.json").read_text())
     del config["intermediate_size"]
     (tmp_path / "e3" / "config.json").write_text(json.dumps(config))
