@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .accept import Sampling, accept, target_tokens
+from .batch import decode_batch
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
-from .drafters import TRAINED_HEADS, NoDrafter, PromptLookupDrafter, as_drafter, drafter_name
+from .drafters import TRAINED_HEADS, Drafter, NoDrafter, PromptLookupDrafter, TokenDrafter, as_drafter, drafter_name
 from .fallback import Fallback
 from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
@@ -191,6 +192,8 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
+    if _is_batch(prompt_or_input_ids):
+        return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, seed)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
     drafter.reset()
@@ -241,6 +244,44 @@ def generate(
     new = state.tokens[prompt.shape[0] : state.length].tolist()
     text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
     return Generation(new, text, stats)
+
+
+def _is_batch(prompts) -> bool:
+    """A list of prompts (texts, token-id lists or tensors), not one prompt's list of token ids."""
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and not isinstance(prompts[0], int)
+
+
+def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, seed) -> list[Generation]:
+    """generate() for a list of prompts (inference.batch): one result per prompt, in order. Every row drafts at
+    every step (no fallback); a row's drafter is its own, built from the shared heads."""
+    for index, item in enumerate(prompts):
+        if isinstance(item, Mapping) and "input_ids" in item:
+            item = item["input_ids"]
+        if (isinstance(item, str) and not item.strip()) or (not isinstance(item, str) and len(item) == 0):
+            raise ValueError(f"prompt {index} of the batch is empty: give at least one token of text for every prompt")
+    ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
+    stateful = [d for d in (heads if isinstance(heads, (list, tuple)) else [heads]) if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)]
+    if stateful and len(ids) > 1:
+        raise ValueError(
+            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded heads "
+            "(heads.load_heads) instead, and a drafter is built for each prompt"
+        )
+    spec = tree if tree is not None else calibrated_tree(model, heads)
+    drafters = [as_drafter(with_defaults(heads, lookup), model, spec) for _ in ids]
+    for drafter in drafters:
+        drafter.reset()
+    generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
+    started = time.perf_counter()
+    new_tokens, passes, nodes, draft_seconds = decode_batch(
+        model, drafters, ids, max_new_tokens, sampling, generators, torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
+    )
+    seconds = time.perf_counter() - started
+    results = []
+    for row, tokens in enumerate(new_tokens):
+        stats = GenerationStats(new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds[row])
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+        results.append(Generation(tokens, text, stats))
+    return results
 
 
 def with_defaults(heads, lookup: bool):

@@ -1,0 +1,153 @@
+"""Many prompts at once: each row drafts its own tree, ONE target pass verifies all of them, each row keeps its own
+accepted entries in a shared, ragged KV cache, and each row's output is what it would be alone.
+
+The cache holds, for row b, its committed tokens but the last in entries [0, cached[b]); entries past that are
+stale (a shorter row's padding, rejected drafts) and every query is masked off them. A step appends all rows'
+trees at the same cache index (padded to the largest tree; a padding node sees only itself, so nothing is ever
+computed from nothing); each row's accepted path then moves to its own `cached[b]`, and the cache is cropped to
+the longest row. Rows that finish leave the batch and stop costing work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .accept import Sampling, accept, target_tokens
+from .cache import new_cache
+from .tree import Tree, additive_mask, verifiable_tree
+
+
+def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dtype):
+    """Right-padded prompts: input_ids [B, P], position_ids [B, P] and an additive mask [B, 1, P, P] (causal
+    within each prompt; a padding position sees only itself)."""
+    lengths = torch.tensor([p.shape[0] for p in prompts])
+    width = int(lengths.max())
+    device = prompts[0].device
+    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : prompt.shape[0]] = prompt
+    index = torch.arange(width, device=device)
+    real = index[None, :] < lengths.to(device)[:, None]  # [B, P]
+    allowed = (index[None, :, None] >= index[None, None, :]) & real[:, None, :] & real[:, :, None]
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)[None]
+    return ids, index.expand(len(prompts), -1), additive_mask(allowed, dtype)[:, None]
+
+
+def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_token: int, dtype: torch.dtype):
+    """One verification pass for every row's tree, appended after `cache_length` cache entries.
+
+    Returns input_ids [B, N], position_ids [B, N] and an additive mask [B, 1, N, cache_length + N]: row b's node
+    sees the row's own committed entries ([0, cached[b])), itself and its ancestors; padding nodes see only
+    themselves."""
+    device = trees[0].tokens.device
+    width = max(tree.size for tree in trees)
+    ids = torch.full((len(trees), width), pad_token, dtype=torch.long, device=device)
+    positions = torch.zeros((len(trees), width), dtype=torch.long, device=device)
+    allowed = torch.zeros((len(trees), width, cache_length + width), dtype=torch.bool, device=device)
+    allowed[:, torch.arange(width), cache_length + torch.arange(width)] = True
+    for row, (tree, past) in enumerate(zip(trees, cached)):
+        n = tree.size
+        ids[row, :n] = tree.tokens
+        positions[row, :n] = tree.depth + past
+        positions[row, n:] = past
+        allowed[row, :n, :past] = True
+        allowed[row, :n, cache_length : cache_length + n] = tree.ancestors
+    return ids, positions, additive_mask(allowed, dtype)[:, None]
+
+
+def keep_paths(cache, cached: list[int], cache_length: int, paths: list[torch.Tensor]) -> list[int]:
+    """Move each row's accepted path (node indices into the block appended after `cache_length`) to the row's own
+    end, crop the cache to the longest row, and return the rows' new committed lengths."""
+    kept = [past + path.shape[0] for past, path in zip(cached, paths)]
+    for layer in cache.layers:
+        for row, (past, path) in enumerate(zip(cached, paths)):
+            source = path + cache_length
+            layer.keys[row, :, past : past + path.shape[0]] = layer.keys[row, :, source]
+            layer.values[row, :, past : past + path.shape[0]] = layer.values[row, :, source]
+    cache.crop(max(kept) - cache.get_seq_length())
+    return kept
+
+
+def keep_rows(cache, rows: torch.Tensor) -> None:
+    """Drop the other rows from the cache (finished sequences leave the batch)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor):
+    """The loop: returns each row's new tokens, its target passes and the nodes its trees verified."""
+    count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
+    dtype = model.dtype
+    reads_hidden = any(d.hidden_layers for d in drafters)
+    out_tokens = [[] for _ in range(count)]
+    passes, nodes, draft_seconds = [0] * count, [0] * count, [0.0] * count
+    texts = [p.clone() for p in prompts]
+
+    cache = new_cache(model)
+    ids, positions, mask = prefill_inputs(prompts, pad, dtype)
+    lengths = [p.shape[0] for p in prompts]
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden)
+    active = list(range(count))
+    cached = list(lengths)  # the prompt is in the cache; the first new token is not
+    firsts = []
+    for row in range(count):
+        first = target_tokens(out.logits[row, lengths[row] - 1 : lengths[row]], sampling, generators[row])
+        firsts.append(first)
+        passes[row] += 1
+    hidden = out.hidden_states
+    still = []
+    for row in range(count):
+        out_tokens[row].append(int(firsts[row]))
+        texts[row] = torch.cat([texts[row], firsts[row]])
+        if bool(torch.isin(firsts[row], eos).any()) or max_new_tokens <= 1:
+            continue
+        still.append(row)
+        drafters[row].observe({layer: hidden[layer][row, : lengths[row]] for layer in drafters[row].hidden_layers}, texts[row][1:])
+    active = _shrink(cache, active, still, cached)
+
+    while active:
+        trees = []
+        for row in active:
+            started = time.perf_counter()
+            budget = max_new_tokens - len(out_tokens[row])
+            proposed = drafters[row].propose(texts[row], budget - 1)
+            trees.append(verifiable_tree(proposed, texts[row][-1], model.config.vocab_size, budget - 1, type(drafters[row]).__name__))
+            draft_seconds[row] += time.perf_counter() - started
+        length = cache.get_seq_length()
+        row_cached = [cached[slot] for slot in range(len(active))]
+        ids, positions, mask = tree_inputs(trees, row_cached, length, pad, dtype)
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden)
+        paths, still = [], []
+        for slot, row in enumerate(active):
+            tree = trees[slot]
+            path, new = accept(tree, out.logits[slot, : tree.size], sampling, generators[row])
+            passes[row] += 1
+            nodes[row] += tree.size
+            stops = torch.isin(new, eos).nonzero()
+            done = bool(stops.shape[0])
+            if done:
+                new = new[: int(stops[0]) + 1]
+            new = new[: max_new_tokens - len(out_tokens[row])]
+            out_tokens[row] += new.tolist()
+            texts[row] = torch.cat([texts[row], new])
+            paths.append(path)
+            if not done and len(out_tokens[row]) < max_new_tokens:
+                still.append(row)
+                drafters[row].observe({layer: out.hidden_states[layer][slot, path] for layer in drafters[row].hidden_layers}, new)
+        cached = keep_paths(cache, row_cached, length, paths)
+        active = _shrink(cache, active, still, cached)
+    return out_tokens, passes, nodes, draft_seconds
+
+
+def _shrink(cache, active: list[int], still: list[int], cached: list[int]) -> list[int]:
+    """Keep only the rows in `still` (a subsequence of `active`) in the cache and in `cached` (in place)."""
+    if len(still) == len(active):
+        return active
+    slots = [active.index(row) for row in still]
+    if slots:
+        keep_rows(cache, torch.tensor(slots, device=cache.layers[0].keys.device))
+        cached[:] = [cached[slot] for slot in slots]
+        cache.crop(max(cached) - cache.get_seq_length())
+    return still

@@ -1,0 +1,129 @@
+"""generate() over a list of prompts (inference.batch): every row is what that prompt gives alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EOS, hf_greedy, tiny_model
+from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, MedusaConfig, MedusaHeads
+from inference import DynamicTreeSpec, PromptLookupDrafter, Tree, generate
+from inference.batch import prefill_inputs, tree_inputs
+from inference.numerics import near_tie
+from test_exactness_tiny import FP32_TIE_STEPS, first_divergence, random_prompts
+
+NEW_TOKENS = 30
+
+
+def test_tree_inputs_keep_rows_apart():
+    """Row 0 (2 cached entries, a 3-node chain) and row 1 (4 cached, a root and two children) after a cache of 4."""
+    chain = Tree.chain(torch.tensor([5, 6, 7]))
+    fork = Tree.from_parents(torch.tensor([8, 9, 10]), torch.tensor([-1, 0, 0]))
+    root = Tree.chain(torch.tensor([11]))
+    ids, positions, mask = tree_inputs([chain, fork, root], [2, 4, 3], 4, pad_token=0, dtype=torch.float32)
+    allowed = mask[:, 0] == 0
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 10], [11, 0, 0]]
+    assert positions.tolist() == [[2, 3, 4], [4, 5, 5], [3, 3, 3]]
+    # row 0: its own two committed entries (not the stale two after them), then its chain
+    assert allowed[0].tolist() == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 1]]
+    # row 1: siblings do not see each other
+    assert allowed[1].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
+    # row 2: padding nodes see only themselves, so they never compute from nothing and never leak
+    assert allowed[2].tolist() == [[1, 1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+
+
+def test_prefill_inputs_pad_on_the_right():
+    ids, positions, mask = prefill_inputs([torch.tensor([4, 5, 6]), torch.tensor([7])], pad_token=4, dtype=torch.float32)
+    allowed = mask[:, 0] == 0
+    assert ids.tolist() == [[4, 5, 6], [7, 4, 4]] and positions.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert allowed[0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert allowed[1].tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+
+
+def heads_for(model):
+    torch.manual_seed(1)
+    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3))
+    for p in medusa.parameters():
+        torch.nn.init.normal_(p, std=0.05)  # not the zero init: drafts should vary
+    eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
+    eagle3 = EagleHead(EagleConfig.for_target(model.config, architecture="eagle3", feature_layers=[0, 1], draft_vocab_size=48)).eval()
+    exit_head = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
+    tree = DynamicTreeSpec(depth=4, top_k=3, nodes=10)
+    return {
+        "plain": (None, None),
+        "lookup": (PromptLookupDrafter(max_ngram=2), None),
+        "medusa": (medusa.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
+        "eagle-copy": (eagle, tree),
+        "eagle3-layout": (eagle3, tree),
+        "early-exit": (exit_head, tree),
+        "eagle+lookup": ([eagle, PromptLookupDrafter()], DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
+    }
+
+
+@pytest.fixture(scope="module", params=[("llama", "sdpa", 21), ("qwen2", "eager", 22)], ids=["llama-sdpa", "qwen2-eager"])
+def case(request):
+    family, attn, seed = request.param
+    model = tiny_model(family, attn=attn)
+    prompts = random_prompts(model.config.vocab_size, 50, seed=seed)
+    return model, prompts, [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def test_every_row_matches_hf_greedy_alone(case):
+    """50 prompts of mixed lengths in batches of 1 to 8, every drafter; a float32 divergence passes only where it is
+    proven a near-tie of the target (a batched pass sums in another order), and rarely."""
+    model, prompts, references = case
+    mismatches, near_ties, finished_early = [], [], 0
+    sizes = [1, 8, 3, 5, 2, 7, 4, 6, 8, 6]  # sums to 50
+    for name, (heads, tree) in heads_for(model).items():
+        start = 0
+        for size in sizes:
+            batch = slice(start, start + size)
+            outs = generate(model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False)
+            assert len(outs) == size
+            for offset, (out, reference) in enumerate(zip(outs, references[batch])):
+                finished_early += len(reference) < NEW_TOKENS
+                if out.token_ids == reference:
+                    continue
+                prompt, d = prompts[start + offset], first_divergence(out.token_ids, reference)
+                tie = (
+                    d < min(len(out.token_ids), len(reference))
+                    and near_tie(model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], FP32_TIE_STEPS)[0]
+                )
+                (near_ties if tie else mismatches).append((name, start + offset, d))
+            start += size
+    assert not mismatches, mismatches[:5]
+    assert len(near_ties) <= 2, near_ties
+    assert finished_early > 0  # some rows stop at EOS while the others go on
+
+
+def test_rows_stop_on_their_own():
+    """One token each (the prefill's), and rows that stop at EOS beside rows that run to max_new_tokens."""
+    model = tiny_model("llama")
+    prompts = random_prompts(model.config.vocab_size, 12, seed=5)
+    references = [hf_greedy(model, p, 1) for p in prompts]
+    assert [o.token_ids for o in generate(model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=1, lookup=False)] == references
+    references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    assert any(ref[-1] == EOS and len(ref) < NEW_TOKENS for ref in references) and any(len(ref) == NEW_TOKENS for ref in references)
+    outs = generate(model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, lookup=False)
+    assert [o.token_ids for o in outs] == references
+
+
+def test_sampling_rows_are_seeded_as_alone():
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 5, 6], [8, 9], [10, 11, 12, 13]]
+    alone = [generate(model, PromptLookupDrafter(), p, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False).token_ids for p in prompts]
+    together = generate(model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False)
+    assert [o.token_ids for o in together] == alone
+
+
+def test_bad_batches_are_refused_clearly():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(model, None, [])
+    with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
+        generate(model, None, [[5, 6], []])
+    eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
+    from inference import EagleDrafter
+
+    with pytest.raises(ValueError, match="keeps the state of one sequence"):
+        generate(model, EagleDrafter(eagle, model), [[5, 6], [7]])
