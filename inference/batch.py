@@ -10,6 +10,7 @@ the longest row. Rows that finish leave the batch and stop costing work.
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -61,11 +62,13 @@ def keep_paths(cache, cached: list[int], cache_length: int, paths: list[torch.Te
     """Move each row's accepted path (node indices into the block appended after `cache_length`) to the row's own
     end, crop the cache to the longest row, and return the rows' new committed lengths."""
     kept = [past + path.shape[0] for past, path in zip(cached, paths)]
-    for layer in cache.layers:
-        for row, (past, path) in enumerate(zip(cached, paths)):
-            source = path + cache_length
-            layer.keys[row, :, past : past + path.shape[0]] = layer.keys[row, :, source]
-            layer.values[row, :, past : past + path.shape[0]] = layer.values[row, :, source]
+    device = paths[0].device
+    rows = torch.cat([torch.full_like(path, row) for row, path in enumerate(paths)])
+    target = torch.cat([torch.arange(past, past + path.shape[0], device=device) for past, path in zip(cached, paths)])
+    source = torch.cat(paths) + cache_length
+    for layer in cache.layers:  # one gather and one scatter a layer for all rows (the right side is a copy)
+        layer.keys[rows, :, target] = layer.keys[rows, :, source]
+        layer.values[rows, :, target] = layer.values[rows, :, source]
     cache.crop(max(kept) - cache.get_seq_length())
     return kept
 
@@ -88,12 +91,16 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
     cache = new_cache(model)
     ids, positions, mask = prefill_inputs(prompts, pad, dtype)
     lengths = [p.shape[0] for p in prompts]
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden)
+    last = torch.tensor(sorted(set(n - 1 for n in lengths)), device=ids.device)  # only the prompts' last logits
+    keep = {"logits_to_keep": last} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden, **keep)
+    column = {int(position): index for index, position in enumerate(last)} if keep else {n - 1: n - 1 for n in lengths}
     active = list(range(count))
     cached = list(lengths)  # the prompt is in the cache; the first new token is not
     firsts = []
     for row in range(count):
-        first = target_tokens(out.logits[row, lengths[row] - 1 : lengths[row]], sampling, generators[row])
+        at = column[lengths[row] - 1]
+        first = target_tokens(out.logits[row, at : at + 1], sampling, generators[row])
         firsts.append(first)
         passes[row] += 1
     hidden = out.hidden_states

@@ -40,6 +40,22 @@ def test_prefill_inputs_pad_on_the_right():
     assert allowed[1].tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
 
 
+def test_keep_paths_moves_each_rows_path_to_its_own_end():
+    from transformers import DynamicCache
+
+    from inference.batch import keep_paths
+
+    cache = DynamicCache()
+    entries = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1)  # 2 rows, 4 cached entries + a 3-node block
+    cache.update(entries.clone(), -entries.clone(), 0)
+    kept = keep_paths(cache, [2, 4], 4, [torch.tensor([0, 2]), torch.tensor([0, 1, 2])])
+    assert kept == [4, 7] and cache.get_seq_length() == 7
+    keys = cache.layers[0].keys[:, 0, :, 0]
+    assert keys[0, :4].tolist() == [0, 1, 4, 6]  # row 0: its 2 entries, then nodes 0 and 2 of its block
+    assert keys[1].tolist() == list(range(7, 14))  # row 1: the whole chain accepted, already in place
+    assert torch.equal(cache.layers[0].values, -cache.layers[0].keys)
+
+
 def heads_for(model):
     torch.manual_seed(1)
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3))
