@@ -253,6 +253,61 @@ def pick(questions, per_category, limit):
     return questions[:limit] if limit else questions
 
 
+def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF generate() on a left-padded batch; each row's tokens up to its first EOS (the padding after it dropped)."""
+    width, pad = max(map(len, prompts)), model.generation_config.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    rows = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def batch_throughput(args, argv) -> None:
+    """Total new tokens per second over the first turns, in batches of each size: HF generate() batched, and the
+    first of --methods through generate(model, heads, [prompts...]); float32 rows are checked against HF alone."""
+    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    method = next(m for m in args.methods if m != "hf")
+    heads = {"plain": None, "lookup": PromptLookupDrafter()}.get(method)
+    if heads is None and method != "plain":
+        kind = method.split("+")[0].removesuffix("-default")
+        heads = load_early_exit(args.early_exit, model) if kind == "early-exit" else load_heads(getattr(args, kind), model)
+        heads = [heads, PromptLookupDrafter()] if "+lookup" in method or method.endswith("-default") else heads
+    tree = None if args.tree == "calibrated" else DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+    prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit)]
+    alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
+    generate(model, heads, prompts[:2], max_new_tokens=8, tree=tree)
+    rows = []
+    for size in args.batch_sizes:
+        timings = {}
+        for name in ("hf", method):
+            started, outputs = time.perf_counter(), []
+            for start in range(0, len(prompts), size):
+                chunk = prompts[start : start + size]
+                if name == "hf":
+                    outputs += hf_batch(model, chunk, args.max_new_tokens)
+                else:
+                    outputs += [o.token_ids for o in generate(model, heads, chunk, max_new_tokens=args.max_new_tokens, tree=tree)]
+            timings[name] = (sum(map(len, outputs)) / (time.perf_counter() - started), outputs)
+        identical = sum(a == b for a, b in zip(timings[method][1], alone))
+        rows.append((size, timings["hf"][0], timings[method][0], identical, len(alone)))
+        print(f"batch {size}: HF {timings['hf'][0]:.1f} tok/s, {method} {timings[method][0]:.1f} tok/s", flush=True)
+    header = (
+        f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
+        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy; total new tokens per second.\n\n"
+    )
+    table = "| batch | HF generate() batched | " + method + " | ratio | first rows identical to HF alone |\n|---|---|---|---|---|\n"
+    table += "".join(f"| {b} | {hf:.1f} | {ours:.1f} | {ours / hf:.2f}x | {same}/{n} |\n" for b, hf, ours, same, n in rows)
+    print("\n" + header + table)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(header + table)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
@@ -276,7 +331,12 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster")
     parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours"
+    )
     args = parser.parse_args(argv)
+    if args.batch_sizes:
+        return batch_throughput(args, argv)
     if "hf" in args.methods and args.methods[0] != "hf":
         args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
 
