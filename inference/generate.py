@@ -248,7 +248,7 @@ def generate(
 
 def _is_batch(prompts) -> bool:
     """A list of prompts (texts, token-id lists or tensors), not one prompt's list of token ids."""
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and not isinstance(prompts[0], int)
+    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], (str, list, tuple, torch.Tensor, Mapping))
 
 
 def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, seed) -> list[Generation]:

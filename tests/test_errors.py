@@ -40,7 +40,7 @@ PROMPT = torch.arange(4, 10)
         ([5.9, 7.2], {}, ValueError, "token ids must be integers, got torch.float32"),
         (torch.tensor([5.0, 7.0]), {}, ValueError, "token ids must be integers"),
         ([True, False], {}, ValueError, "token ids must be integers"),
-        ([[1, 2], [3]], {}, ValueError, "input_ids must be token ids"),
+        ([["a"], [3]], {}, ValueError, "input_ids must be token ids"),  # a batch of two prompts, the first not token ids
     ],
 )
 def test_bad_generation_input(model, prompt, kwargs, error, message):
