@@ -95,24 +95,18 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
     keep = {"logits_to_keep": last} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden, **keep)
     column = {int(position): index for index, position in enumerate(last)} if keep else {n - 1: n - 1 for n in lengths}
-    active = list(range(count))
-    cached = list(lengths)  # the prompt is in the cache; the first new token is not
-    firsts = []
-    for row in range(count):
-        at = column[lengths[row] - 1]
-        first = target_tokens(out.logits[row, at : at + 1], sampling, generators[row])
-        firsts.append(first)
+    still = []  # rows that go on decoding
+    for row, length in enumerate(lengths):
+        first = target_tokens(out.logits[row, column[length - 1]][None], sampling, generators[row])
         passes[row] += 1
-    hidden = out.hidden_states
-    still = []
-    for row in range(count):
-        out_tokens[row].append(int(firsts[row]))
-        texts[row] = torch.cat([texts[row], firsts[row]])
-        if bool(torch.isin(firsts[row], eos).any()) or max_new_tokens <= 1:
+        out_tokens[row].append(int(first))
+        texts[row] = torch.cat([texts[row], first])
+        if bool(torch.isin(first, eos).any()) or max_new_tokens <= 1:
             continue
         still.append(row)
-        drafters[row].observe({layer: hidden[layer][row, : lengths[row]] for layer in drafters[row].hidden_layers}, texts[row][1:])
-    active = _shrink(cache, active, still, cached)
+        drafters[row].observe({layer: out.hidden_states[layer][row, :length] for layer in drafters[row].hidden_layers}, texts[row][1:])
+    # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
+    active, cached = _shrink(cache, list(range(count)), still, lengths)
 
     while active:
         trees = []
@@ -123,8 +117,7 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
             trees.append(verifiable_tree(proposed, texts[row][-1], model.config.vocab_size, budget - 1, type(drafters[row]).__name__))
             draft_seconds[row] += time.perf_counter() - started
         length = cache.get_seq_length()
-        row_cached = [cached[slot] for slot in range(len(active))]
-        ids, positions, mask = tree_inputs(trees, row_cached, length, pad, dtype)
+        ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden)
         paths, still = [], []
         for slot, row in enumerate(active):
@@ -143,18 +136,18 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
             if not done and len(out_tokens[row]) < max_new_tokens:
                 still.append(row)
                 drafters[row].observe({layer: out.hidden_states[layer][slot, path] for layer in drafters[row].hidden_layers}, new)
-        cached = keep_paths(cache, row_cached, length, paths)
-        active = _shrink(cache, active, still, cached)
+        cached = keep_paths(cache, cached, length, paths)
+        active, cached = _shrink(cache, active, still, cached)
     return out_tokens, passes, nodes, draft_seconds
 
 
-def _shrink(cache, active: list[int], still: list[int], cached: list[int]) -> list[int]:
-    """Keep only the rows in `still` (a subsequence of `active`) in the cache and in `cached` (in place)."""
+def _shrink(cache, active: list[int], still: list[int], cached: list[int]) -> tuple[list[int], list[int]]:
+    """Keep only the rows in `still` (a subsequence of `active`) in the cache; returns them and their cached lengths."""
     if len(still) == len(active):
-        return active
+        return active, list(cached)
     slots = [active.index(row) for row in still]
+    cached = [cached[slot] for slot in slots]
     if slots:
         keep_rows(cache, torch.tensor(slots, device=cache.layers[0].keys.device))
-        cached[:] = [cached[slot] for slot in slots]
         cache.crop(max(cached) - cache.get_seq_length())
-    return still
+    return still, cached
