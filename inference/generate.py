@@ -253,7 +253,8 @@ def _is_batch(prompts) -> bool:
 
 def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, seed) -> list[Generation]:
     """generate() for a list of prompts (inference.batch): one result per prompt, in order. Every row drafts at
-    every step (no fallback); a row's drafter is its own, built from the shared heads."""
+    every step (no fallback); a row's drafter is its own, built from the shared heads. A row's stats count its own
+    tokens, passes and nodes; their `seconds` is the whole batch's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
             item = item["input_ids"]
