@@ -65,7 +65,8 @@ def load_early_exit(spec: str, model):
 
 def hf_generate(model, prompt, max_new_tokens, **extra):
     started = time.perf_counter()
-    out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens, **extra)
+    prompt = prompt.to(model.device)
+    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=False, max_new_tokens=max_new_tokens, **extra)
     tokens = out[0, len(prompt) :].tolist()
     return tokens, time.perf_counter() - started, None, None
 
@@ -241,7 +242,9 @@ def chart(summary, methods, path):
     fig.savefig(path, dpi=120)
 
 
-def pick(questions, per_category, limit):
+def pick(questions, per_category, limit, shard=None):
+    """The questions a run answers: the first `per_category` of each category, the first `limit`, then every
+    N-th from the K-th for --shard K/N (a long run split across processes; scripts/scaling_curve.py merges them)."""
     if per_category:
         count = defaultdict(int)
         chosen = []
@@ -250,14 +253,28 @@ def pick(questions, per_category, limit):
                 chosen.append(q)
                 count[q["category"]] += 1
         questions = chosen
-    return questions[:limit] if limit else questions
+    questions = questions[:limit] if limit else questions
+    if shard:
+        index, count = shard
+        questions = questions[index::count]
+    return questions
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes K/N (this run answers every N-th question from the K-th, 0 <= K < N), got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {text!r}")
+    return index, count
 
 
 def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF generate() on a left-padded batch; each row's tokens up to its first EOS (the padding after it dropped)."""
     width, pad = max(map(len, prompts)), model.generation_config.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
     rows = []
@@ -270,7 +287,7 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 def batch_throughput(args, argv) -> None:
     """Total new tokens per second over the first turns, in batches of each size: HF generate() batched, and the
     first of --methods through generate(model, heads, [prompts...]); float32 rows are checked against HF alone."""
-    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     method = next(m for m in args.methods if m != "hf")
     heads = {"plain": None, "lookup": PromptLookupDrafter()}.get(method)
     if heads is None and method != "plain":
@@ -278,7 +295,7 @@ def batch_throughput(args, argv) -> None:
         heads = load_early_exit(args.early_exit, model) if kind == "early-exit" else load_heads(getattr(args, kind), model)
         heads = [heads, PromptLookupDrafter()] if "+lookup" in method or method.endswith("-default") else heads
     tree = None if args.tree == "calibrated" else DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
-    prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit)]
+    prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
     generate(model, heads, prompts[:2], max_new_tokens=8, tree=tree)
     rows = []
@@ -328,8 +345,10 @@ def main(argv=None):
     parser.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where plain decoding would be faster")
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
+    parser.add_argument("--shard", type=parse_shard, default=None, metavar="K/N", help="answer every N-th question from the K-th (0-based)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster")
+    parser.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
     parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours"
@@ -340,9 +359,9 @@ def main(argv=None):
     if "hf" in args.methods and args.methods[0] != "hf":
         args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
 
-    model, tokenizer = load_target(args.model, dtype=args.dtype)
+    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     runners = build_methods(args, model, tokenizer)
-    questions = pick(read_questions(args.questions), args.per_category, args.limit)
+    questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
     warm = chat_prompt(tokenizer, ["Hello"])
     for run in runners.values():  # warm-up, outside the measurement
         run(warm[:16])

@@ -2,32 +2,43 @@
 
     python scripts/scaling_curve.py docs/results/scaling-eagle-*.json --out docs/results/scaling-eagle
 
-Each input is a benchmark result (scripts/benchmark.py --out) of one head; the head's own config.json (saved
-with its weights) says how many loss tokens and sequences it was trained on. Writes OUT.md (a table: overall and
-per-category tau by training tokens) and OUT.png (tau against tokens, log scale; the overall curve and the
-lowest category's).
+Each input is a benchmark result (scripts/benchmark.py --out) of one head; results of the same head (a run split
+with --shard K/N) are merged. The head's own config.json (saved with its weights) says how many loss tokens and
+sequences it was trained on. Writes OUT.md (a table: overall and per-category tau by training tokens) and OUT.png
+(tau against tokens, log scale; the overall curve and the lowest category's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections import defaultdict
 from pathlib import Path
 
+from benchmark import summarise
 
-def point(result_path: Path) -> dict:
-    result = json.loads(result_path.read_text())
-    args = result["args"]
-    methods = [m for m in args["methods"] if m in ("eagle", "medusa")]
+
+def head_of(result: dict, path: Path) -> tuple[str, str]:
+    """(method, checkpoint) of a benchmark result of one head."""
+    methods = [m for m in result["args"]["methods"] if m in ("eagle", "medusa")]
     if len(methods) != 1:
-        raise SystemExit(f"{result_path}: expected a run of one head method (eagle or medusa), got {args['methods']}")
-    method = methods[0]
-    checkpoint = Path(args[method])
+        raise SystemExit(f"{path}: expected a run of one head method (eagle or medusa), got {result['args']['methods']}")
+    return methods[0], result["args"][methods[0]]
+
+
+def point(paths: list[Path]) -> dict:
+    """One head's figures from its results (several when its run was split with --shard)."""
+    results = [json.loads(path.read_text()) for path in paths]
+    method, head = head_of(results[0], paths[0])
+    records = [r for result in results for r in result["records"]]
+    if len({(r["question_id"], r["turn"]) for r in records}) != len(records):
+        raise SystemExit(f"{', '.join(map(str, paths))}: these results answer some questions twice (the same --shard twice?)")
+    checkpoint = Path(head)
     config = json.loads((checkpoint / "config.json").read_text())
     training = config.get("training")
     if not training:
         raise SystemExit(f"{checkpoint}/config.json records no training (tokens, sequences): was it written by training/train_heads.py?")
-    summary = result["summary"]
+    summary = summarise(records, [method])
     return {
         "head": str(checkpoint),
         "method": method,
@@ -37,7 +48,7 @@ def point(result_path: Path) -> dict:
         "minutes": training["train_seconds"] / 60,
         "tau": summary["overall"][method]["tau"],
         "categories": {c: summary[c][method]["tau"] for c in summary if c != "overall"},
-        "turns": sum(1 for r in result["records"]),
+        "turns": len(records),
     }
 
 
@@ -84,10 +95,13 @@ def chart(points: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path, help="benchmark result .json files, one head each")
+    parser.add_argument("results", nargs="+", type=Path, help="benchmark result .json files of one head each (a head's shards are merged)")
     parser.add_argument("--out", type=Path, required=True, help="write OUT.md and OUT.png")
     args = parser.parse_args(argv)
-    points = sorted((point(path) for path in args.results), key=lambda p: p["tokens"])
+    by_head = defaultdict(list)
+    for path in args.results:
+        by_head[head_of(json.loads(path.read_text()), path)].append(path)
+    points = sorted((point(paths) for paths in by_head.values()), key=lambda p: p["tokens"])
     if len({p["turns"] for p in points}) != 1:
         raise SystemExit(f"the results cover different question sets ({sorted({p['turns'] for p in points})} turns): compare like with like")
     text = table(points)

@@ -122,3 +122,31 @@ def test_scaling_curve_reads_each_heads_training_tokens(tiny_chat, tmp_path):
     taus = {json.loads(r.with_suffix(".json").read_text())["summary"]["overall"]["eagle"]["tau"] for r in results}
     assert {float(row.split("|")[5].strip(" *")) for row in rows} == {round(t, 2) for t in taus}
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_chat, tmp_path, capsys):
+    import scaling_curve
+    from heads import EagleConfig, EagleHead, save_heads
+    from inference import load_target
+
+    model, _ = load_target(str(tiny_chat / "model"))
+    questions = tmp_path / "questions.jsonl"
+    texts = ["the cat runs", "a dog sleeps here", "one two three", "birds fly south"]
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "chat" if i % 2 else "code", "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    torch.manual_seed(0)
+    training = {"tokens": 900, "sequences": 9, "steps": 3, "train_seconds": 6.0}
+    head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "head", model, training=training)
+    common = ["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "eagle", "--eagle", str(head), "--tree", "fixed"]
+    common += ["--max-new-tokens", "8"]
+    for name, shard in (("whole", []), ("part0", ["--shard", "0/3"]), ("part1", ["--shard", "1/3"]), ("part2", ["--shard", "2/3"])):
+        benchmark.main(common + shard + ["--out", str(tmp_path / name)])
+    parts = [tmp_path / f"part{k}.json" for k in range(3)]
+    assert sorted(len(json.loads(p.read_text())["records"]) for p in parts) == [1, 1, 2]  # questions 0 and 3, 1, 2
+    merged, whole = scaling_curve.point(parts), scaling_curve.point([tmp_path / "whole.json"])
+    assert merged["turns"] == whole["turns"] == 4
+    assert merged["tau"] == pytest.approx(whole["tau"]) and merged["categories"] == pytest.approx(whole["categories"])
+    with pytest.raises(SystemExit, match="twice"):
+        scaling_curve.point(parts + parts[:1])
+    with pytest.raises(SystemExit):
+        benchmark.main(common + ["--shard", "3/3"])
+    assert "--shard K/N needs 0 <= K < N, got '3/3'" in capsys.readouterr().err
