@@ -49,7 +49,15 @@ def point(paths: list[Path]) -> dict:
         "tau": summary["overall"][method]["tau"],
         "categories": {c: summary[c][method]["tau"] for c in summary if c != "overall"},
         "turns": len(records),
+        "setting": setting(results[0]["args"]),
     }
+
+
+def setting(args: dict) -> str:
+    """How tau was measured, from a benchmark run's arguments: the points of one curve must share it."""
+    tree = f"{args['tree']} tree of {args['nodes']} drafts (depth {args['depth']}, top-k {args['top_k']})"
+    fallback = ", no fallback" if args["no_fallback"] else ""
+    return f"{args['dtype']} on {args.get('device', 'cpu')}, {args['max_new_tokens']} new tokens a turn, {tree}{fallback}"
 
 
 def table(points: list[dict]) -> str:
@@ -104,7 +112,9 @@ def main(argv=None) -> None:
     points = sorted((point(paths) for paths in by_head.values()), key=lambda p: p["tokens"])
     if len({p["turns"] for p in points}) != 1:
         raise SystemExit(f"the results cover different question sets ({sorted({p['turns'] for p in points})} turns): compare like with like")
-    text = table(points)
+    if len({p["setting"] for p in points}) != 1:
+        raise SystemExit(f"the results were measured differently ({sorted({p['setting'] for p in points})}): compare like with like")
+    text = f"tau on {points[0]['turns']} turns, {points[0]['setting']}.\n\n" + table(points)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
