@@ -47,7 +47,8 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     ids = torch.full((len(trees), width), pad_token, dtype=torch.long, device=device)
     positions = torch.zeros((len(trees), width), dtype=torch.long, device=device)
     allowed = torch.zeros((len(trees), width, cache_length + width), dtype=torch.bool, device=device)
-    allowed[:, torch.arange(width), cache_length + torch.arange(width)] = True
+    nodes = torch.arange(width, device=device)
+    allowed[:, nodes, cache_length + nodes] = True
     for row, (tree, past) in enumerate(zip(trees, cached)):
         n = tree.size
         ids[row, :n] = tree.tokens
@@ -86,7 +87,16 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
     reads_hidden = any(d.hidden_layers for d in drafters)
     out_tokens = [[] for _ in range(count)]
     passes, nodes, draft_seconds = [0] * count, [0] * count, [0.0] * count
-    texts = [p.clone() for p in prompts]
+    # each row's text (prompt + new tokens) in a buffer of its final size, as generate() keeps one sequence's
+    texts = [torch.empty(p.shape[0] + max_new_tokens, dtype=torch.long, device=p.device) for p in prompts]
+    ends = [p.shape[0] for p in prompts]
+    for text, prompt in zip(texts, prompts):
+        text[: prompt.shape[0]] = prompt
+
+    def append(row: int, new: torch.Tensor) -> None:
+        texts[row][ends[row] : ends[row] + new.shape[0]] = new
+        ends[row] += new.shape[0]
+        out_tokens[row] += new.tolist()
 
     cache = new_cache(model)
     ids, positions, mask = prefill_inputs(prompts, pad, dtype)
@@ -99,12 +109,11 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
     for row, length in enumerate(lengths):
         first = target_tokens(out.logits[row, column[length - 1]][None], sampling, generators[row])
         passes[row] += 1
-        out_tokens[row].append(int(first))
-        texts[row] = torch.cat([texts[row], first])
+        append(row, first)
         if bool(torch.isin(first, eos).any()) or max_new_tokens <= 1:
             continue
         still.append(row)
-        drafters[row].observe({layer: out.hidden_states[layer][row, :length] for layer in drafters[row].hidden_layers}, texts[row][1:])
+        drafters[row].observe({layer: out.hidden_states[layer][row, :length] for layer in drafters[row].hidden_layers}, texts[row][1 : ends[row]])
     # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
     active, cached = _shrink(cache, list(range(count)), still, lengths)
 
@@ -113,8 +122,8 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
         for row in active:
             started = time.perf_counter()
             budget = max_new_tokens - len(out_tokens[row])
-            proposed = drafters[row].propose(texts[row], budget - 1)
-            trees.append(verifiable_tree(proposed, texts[row][-1], model.config.vocab_size, budget - 1, type(drafters[row]).__name__))
+            proposed = drafters[row].propose(texts[row][: ends[row]], budget - 1)
+            trees.append(verifiable_tree(proposed, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, type(drafters[row]).__name__))
             draft_seconds[row] += time.perf_counter() - started
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
@@ -130,8 +139,7 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
             if done:
                 new = new[: int(stops[0]) + 1]
             new = new[: max_new_tokens - len(out_tokens[row])]
-            out_tokens[row] += new.tolist()
-            texts[row] = torch.cat([texts[row], new])
+            append(row, new)
             paths.append(path)
             if not done and len(out_tokens[row]) < max_new_tokens:
                 still.append(row)
