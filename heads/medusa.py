@@ -40,8 +40,8 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def draft_logits(self, features: torch.Tensor, vocab: DraftVocabulary) -> torch.Tensor:
-        """The first heads' features [d, H] -> their logits [d, N]: through `vocab` (the target's lm_head), or
-        each through its own lm_head."""
+        """The first heads' features [..., d, H] -> their logits [..., d, N]: through `vocab` (the target's
+        lm_head), or each through its own lm_head."""
         if self.lm_heads is None:
             return vocab.logits(features)
-        return torch.stack([lm_head(feature) for lm_head, feature in zip(self.lm_heads, features)])
+        return torch.stack([lm_head(features[..., i, :]) for i, lm_head in enumerate(self.lm_heads[: features.shape[-2]])], dim=-2)

@@ -16,7 +16,8 @@ import time
 import torch
 
 from .accept import Sampling, accept, target_tokens
-from .cache import new_cache
+from .cache import keep_paths, keep_rows, new_cache
+from .drafters import drafter_name
 from .tree import Tree, additive_mask, verifiable_tree
 
 
@@ -59,34 +60,13 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     return ids, positions, additive_mask(allowed, dtype)[:, None]
 
 
-def keep_paths(cache, cached: list[int], cache_length: int, paths: list[torch.Tensor]) -> list[int]:
-    """Move each row's accepted path (node indices into the block appended after `cache_length`) to the row's own
-    end, crop the cache to the longest row, and return the rows' new committed lengths."""
-    kept = [past + path.shape[0] for past, path in zip(cached, paths)]
-    device = paths[0].device
-    rows = torch.cat([torch.full_like(path, row) for row, path in enumerate(paths)])
-    target = torch.cat([torch.arange(past, past + path.shape[0], device=device) for past, path in zip(cached, paths)])
-    source = torch.cat(paths) + cache_length
-    for layer in cache.layers:  # one gather and one scatter a layer for all rows (the right side is a copy)
-        layer.keys[rows, :, target] = layer.keys[rows, :, source]
-        layer.values[rows, :, target] = layer.values[rows, :, source]
-    cache.crop(max(kept) - cache.get_seq_length())
-    return kept
-
-
-def keep_rows(cache, rows: torch.Tensor) -> None:
-    """Drop the other rows from the cache (finished sequences leave the batch)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-
-
-def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor):
-    """The loop: returns each row's new tokens, its target passes and the nodes its trees verified."""
+def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor):
+    """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, and the seconds
+    spent drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level)."""
     count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
     dtype = model.dtype
-    reads_hidden = any(d.hidden_layers for d in drafters)
     out_tokens = [[] for _ in range(count)]
-    passes, nodes, draft_seconds = [0] * count, [0] * count, [0.0] * count
+    passes, nodes, draft_seconds = [0] * count, [0] * count, 0.0
     # each row's text (prompt + new tokens) in a buffer of its final size, as generate() keeps one sequence's
     texts = [torch.empty(p.shape[0] + max_new_tokens, dtype=torch.long, device=p.device) for p in prompts]
     ends = [p.shape[0] for p in prompts]
@@ -103,32 +83,36 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
     lengths = [p.shape[0] for p in prompts]
     last = torch.tensor(sorted(set(n - 1 for n in lengths)), device=ids.device)  # only the prompts' last logits
     keep = {"logits_to_keep": last} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden, **keep)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers), **keep)
     column = {int(position): index for index, position in enumerate(last)} if keep else {n - 1: n - 1 for n in lengths}
     still = []  # rows that go on decoding
     for row, length in enumerate(lengths):
         first = target_tokens(out.logits[row, column[length - 1]][None], sampling, generators[row])
         passes[row] += 1
         append(row, first)
-        if bool(torch.isin(first, eos).any()) or max_new_tokens <= 1:
-            continue
-        still.append(row)
-        drafters[row].observe({layer: out.hidden_states[layer][row, :length] for layer in drafters[row].hidden_layers}, texts[row][1 : ends[row]])
+        if not bool(torch.isin(first, eos).any()) and max_new_tokens > 1:
+            still.append(row)
+    started = time.perf_counter()
+    if still:
+        drafter.keep_rows(still)
+        drafter.observe_rows([{layer: out.hidden_states[layer][row, : lengths[row]] for layer in drafter.hidden_layers} for row in still], [texts[row][1 : ends[row]] for row in still])
+    draft_seconds += time.perf_counter() - started
     # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
     active, cached = _shrink(cache, list(range(count)), still, lengths)
 
     while active:
-        trees = []
-        for row in active:
-            started = time.perf_counter()
-            budget = max_new_tokens - len(out_tokens[row])
-            proposed = drafters[row].propose(texts[row][: ends[row]], budget - 1)
-            trees.append(verifiable_tree(proposed, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, type(drafters[row]).__name__))
-            draft_seconds[row] += time.perf_counter() - started
+        started = time.perf_counter()
+        budgets = [max_new_tokens - len(out_tokens[row]) for row in active]
+        proposed = drafter.propose_rows([texts[row][: ends[row]] for row in active], [budget - 1 for budget in budgets])
+        trees = [
+            verifiable_tree(tree, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, drafter_name(drafter))
+            for tree, row, budget in zip(proposed, active, budgets)
+        ]
+        draft_seconds += time.perf_counter() - started
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=reads_hidden)
-        paths, still = [], []
+        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
+        paths, still, slots, observed, committed = [], [], [], [], []
         for slot, row in enumerate(active):
             tree = trees[slot]
             path, new = accept(tree, out.logits[slot, : tree.size], sampling, generators[row])
@@ -143,8 +127,15 @@ def decode_batch(model, drafters: list, prompts: list[torch.Tensor], max_new_tok
             paths.append(path)
             if not done and len(out_tokens[row]) < max_new_tokens:
                 still.append(row)
-                drafters[row].observe({layer: out.hidden_states[layer][slot, path] for layer in drafters[row].hidden_layers}, new)
+                slots.append(slot)
+                observed.append({layer: out.hidden_states[layer][slot, path] for layer in drafter.hidden_layers})
+                committed.append(new)
         cached = keep_paths(cache, cached, length, paths)
+        started = time.perf_counter()
+        if still:
+            drafter.keep_rows(slots)
+            drafter.observe_rows(observed, committed)
+        draft_seconds += time.perf_counter() - started
         active, cached = _shrink(cache, active, still, cached)
     return out_tokens, passes, nodes, draft_seconds
 

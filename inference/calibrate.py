@@ -1,6 +1,6 @@
 """Measure, once per machine, what a verification pass over k tokens costs (and one level of drafting).
 
-    python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype auto] [--refresh]
+    python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype auto] [--batch N] [--refresh]
 
 The best tree depends on the hardware: here a bfloat16 pass over 16 tokens costs ~1.3x a one-token pass,
 a float32 one ~2x. The measurement takes a few seconds and is cached per (model, heads, dtype, device,
@@ -32,6 +32,7 @@ from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead  # heads whose drafter grows its own trees, a level per head pass
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+BATCH_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens a row: a batch's trees are smaller
 CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
 
@@ -63,27 +64,36 @@ def median_seconds(run, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure(
-    model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, context: int = 256, token_counts=TOKEN_COUNTS, repeats: int = 7
+    model,
+    head: TreeHead | None = None,
+    spec: DynamicTreeSpec | None = None,
+    *,
+    batch: int = 1,
+    context: int = 256,
+    token_counts=None,
+    repeats: int = 7,
 ) -> tuple[PassCost, float]:
-    """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached.
+    """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached, for
+    `batch` sequences verified together (a batch's pass costs more, so each row's tree pays for fewer drafts).
 
-    Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions); its
-    entries are cropped from the cache again, so every measurement sees the same context.
+    Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions), every row
+    verifying k tokens; its entries are cropped from the cache again, so every measurement sees the same context.
     """
+    token_counts = token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS)
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    tokens = torch.randint(vocab, (context + 1,), generator=generator).to(model.device)
-    cache = new_cache(model)  # holds `context` tokens; the last token is the root of every draft
-    prefill = model(input_ids=tokens[None, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
+    tokens = torch.randint(vocab, (batch, context + 1), generator=generator).to(model.device)
+    cache = new_cache(model)  # holds `context` tokens a row; the last token is the root of every draft
+    prefill = model(input_ids=tokens[:, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
 
     def verify(k: int):
         tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
         model(
-            input_ids=tree.tokens[None],
+            input_ids=tree.tokens[None].expand(batch, -1),
             cache=cache,
             use_cache=True,
-            position_ids=position_ids(tree, context),
-            attention_mask=attention_mask(tree, context, model.dtype),
+            position_ids=position_ids(tree, context).expand(batch, -1),
+            attention_mask=attention_mask(tree, context, model.dtype).expand(batch, -1, -1, -1),
         )
         cache.crop(-k)
 
@@ -92,13 +102,15 @@ def measure(
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
         drafter = as_drafter(head, model, spec)
-        drafter.observe({layer: prefill.hidden_states[layer][0] for layer in drafter.hidden_layers}, tokens[1:])
-        draft_level = median_seconds(lambda: drafter.propose(tokens, spec.depth), repeats) / spec.depth / seconds[0]
+        drafter.reset(batch)
+        drafter.observe_rows([{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1:]))
+        texts, depths = list(tokens), [spec.depth] * batch
+        draft_level = median_seconds(lambda: drafter.propose_rows(texts, depths), repeats) / spec.depth / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level)
     return cost, seconds[0]
 
 
-def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None) -> Path:
+def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
     head_id = None
     if head is not None:
         weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
@@ -111,13 +123,15 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None) -> Pa
         torch.__version__,
         head_id,
         None if spec is None else (spec.depth, spec.top_k),
-    ]
+    ] + ([batch] if batch > 1 else [])
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
 
 
-def load_or_measure(model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, refresh: bool = False, verbose: bool = False) -> PassCost:
-    """The cached calibration for this model/head/dtype/machine, measured first when there is none."""
-    path = cache_path(model, head, spec)
+def load_or_measure(
+    model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, batch: int = 1, refresh: bool = False, verbose: bool = False
+) -> PassCost:
+    """The cached calibration for this model/head/dtype/machine and batch size, measured first when there is none."""
+    path = cache_path(model, head, spec, batch)
     if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
@@ -125,8 +139,8 @@ def load_or_measure(model, head: TreeHead | None = None, spec: DynamicTreeSpec |
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
             warnings.warn(f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again", stacklevel=2)
     if verbose:
-        print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}); cached in {path}", flush=True)
-    cost, one_pass = measure(model, head, spec)
+        print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}); cached in {path}", flush=True)
+    cost, one_pass = measure(model, head, spec, batch=batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(path) as staging:
         staging.write_text(
@@ -138,6 +152,7 @@ def load_or_measure(model, head: TreeHead | None = None, spec: DynamicTreeSpec |
                     "one_token_pass_ms": 1e3 * one_pass,
                     "device": device_name(model.device),
                     "dtype": str(model.dtype),
+                    "batch": batch,
                     "threads": torch.get_num_threads(),
                     "torch": torch.__version__,
                 },
@@ -147,14 +162,22 @@ def load_or_measure(model, head: TreeHead | None = None, spec: DynamicTreeSpec |
     return cost
 
 
-def calibrated_tree(model, heads, *, verbose: bool = False) -> DynamicTreeSpec | None:
-    """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs."""
+def calibration_batch(rows: int) -> int:
+    """The batch size whose calibration serves `rows` rows: the power of two at or below it (at most 64), so a few
+    measurements serve every batch."""
+    return min(1 << (max(rows, 1).bit_length() - 1), 64)
+
+
+def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> DynamicTreeSpec | None:
+    """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs, for
+    `batch` sequences decoded together."""
     candidates = heads if isinstance(heads, (list, tuple)) else [heads]
     head = next((h for h in candidates if isinstance(h, (EagleHead, EarlyExitHead, MedusaHeads))), None)
+    batch = calibration_batch(batch)
     if isinstance(head, (EagleHead, EarlyExitHead)):
-        return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), verbose=verbose))
+        return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), batch=batch, verbose=verbose))
     if isinstance(head, MedusaHeads):
-        return medusa_tree_spec(head, cost=load_or_measure(model, verbose=verbose))
+        return medusa_tree_spec(head, cost=load_or_measure(model, batch=batch, verbose=verbose))
     return None
 
 
@@ -172,13 +195,17 @@ def main(argv=None) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo uses)",
     )
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (generate() over a list of prompts)")
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype)
     head = load_heads(args.heads, model) if args.heads else None
     if head is not None and not isinstance(head, (EagleHead, EarlyExitHead)):
         parser.error(f"{args.heads} holds Medusa heads; calibration measures the draft levels of EAGLE and early-exit heads (omit --heads for pass costs only)")
-    cost = load_or_measure(model, head, DynamicTreeSpec() if head is not None else None, refresh=args.refresh, verbose=True)
+    batch = calibration_batch(args.batch)
+    cost = load_or_measure(model, head, DynamicTreeSpec() if head is not None else None, batch=batch, refresh=args.refresh, verbose=True)
     print(f"{'tokens':>6}  cost (x one-token pass)")
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")

@@ -19,8 +19,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import DynamicCache
 
-from heads import DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
+from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
 from heads.config import check_feature_layers
+
+from .cache import keep_paths, keep_rows
 
 from .tree import (
     MAX_TOP_K,
@@ -64,10 +66,19 @@ class TokenDrafter:
     hidden_layers: tuple[int, ...] = ()
     trusted: bool = False
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 1) -> None:
         pass
 
     def observe(self, hidden, next_tokens) -> None:
+        pass
+
+    def observe_rows(self, hidden, next_tokens) -> None:
+        pass
+
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        return [self.propose(text, depth) for text, depth in zip(texts, max_depths)]
+
+    def keep_rows(self, rows: list[int]) -> None:
         pass
 
 
@@ -145,29 +156,44 @@ class MedusaDrafter:
             raise TreeError(
                 f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {self.vocab.weight.shape[0]} tokens; use lower ranks"
             )
-        self.hidden = None
+        self.reset()
 
-    def reset(self) -> None:
-        self.hidden = None
+    def reset(self, rows: int = 1) -> None:
+        self.hidden = None  # [rows, H]: each row's state that produced its root
 
     def observe(self, hidden, next_tokens) -> None:
-        self.hidden = hidden[-1][-1]  # the state that produced the root
+        self.observe_rows([hidden], [next_tokens])
+
+    def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
+        self.hidden = torch.stack([row[-1][-1] for row in hidden])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.hidden is not None:
+            self.hidden = self.hidden[rows]
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        return self.propose_rows([tokens], [max_depth])[0]
+
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        """One pass of the heads and one projection for every row, then each row's tree."""
         if self.spec is not None:
-            depth, ranks = min(self.spec.depth, self.heads.config.num_heads, max_depth), self.spec.top_k
+            depth, ranks = min(self.spec.depth, self.heads.config.num_heads, max(max_depths)), self.spec.top_k
         elif self.tree is not None:
             depth, ranks = self.tree.max_depth, self.tree.max_rank + 1
         else:
             depth = 0
         if depth < 1:
-            return root_only(tokens)
-        logits = self.heads.draft_logits(self.heads(self.hidden)[:depth], self.vocab)  # [depth, N], one projection for all heads
+            return [root_only(text) for text in texts]
+        logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], self.vocab)  # [rows, depth, N]
         top = log_probabilities(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
-        tree = self.tree if self.spec is None else self._likeliest_tree(top.values.exp().tolist())
-        if tree is None:
-            return root_only(tokens)
-        return tree.fill(tokens[-1], self.vocab.to_target(top.indices)).truncate(max_depth)
+        candidates, probabilities = self.vocab.to_target(top.indices), top.values.exp().tolist()
+        trees = []
+        for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
+            tree = self.tree
+            if self.spec is not None:
+                tree = self._likeliest_tree(probabilities[row][: min(depth, max_depth)]) if max_depth >= 1 else None
+            trees.append(root_only(text) if tree is None else tree.fill(text[-1], candidates[row]).truncate(max_depth))
+        return trees
 
     def _likeliest_tree(self, probability: list[list[float]]) -> StaticTree | None:
         """This step's best paths, with probability[d][r] standing where a static tree has measured accuracies."""
@@ -187,10 +213,14 @@ class DynamicTreeDrafter:
     inside the drafter, each level expanding the `top_k` likeliest nodes by their path probability, then cut to
     the `nodes` best (or, with a measured cost, to those that pay for their verification).
 
-    A subclass reads the committed text into its cache (`_read_committed`, which leaves `self.last`, its output
-    [H] for the root, and `self.length`, the entries its cache holds) and expands a frontier of draft nodes
-    (`_expand`: their outputs [F, H]); outputs become draft logits through `self.vocab`. Draft entries are
-    dropped from the cache again after every proposal.
+    It drafts for several sequences at once (generate() over a batch: `reset(rows)`, `observe_rows`,
+    `propose_rows`, `keep_rows`), one head pass a level for all of them; a single sequence is one row. The
+    draft cache is ragged as the target's batch cache is (inference.batch): row b holds its committed entries in
+    [0, lengths[b]), entries past that are stale and masked off. Draft entries are dropped after every proposal.
+
+    A subclass reads the committed texts into its cache (`_read_committed`, through `_append`, which leaves
+    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`: their
+    outputs [rows, F, H]); outputs become draft logits through `self.vocab`.
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -207,97 +237,156 @@ class DynamicTreeDrafter:
                 f"(more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
             )
 
-    def reset(self) -> None:
-        self.cache, self.length, self.last = DynamicCache(), 0, None
-        self.levels = self.spec.depth  # with a measured cost: how deep the next tree may grow
-        # How far the drafter's probabilities hold on this sequence: decayed sums of its top depth-1 draft's
+    def reset(self, rows: int = 1) -> None:
+        self.cache, self.lengths, self.last = DynamicCache(), [0] * rows, None
+        self.levels = [self.spec.depth] * rows  # with a measured cost: how deep each row's next tree may grow
+        # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
         # probability and of how often the target then chose that token (a prior of one right guess).
-        self.guess, self.expected, self.realised = None, 1.0, 1.0
+        self.guesses, self.expected, self.realised = [None] * rows, [1.0] * rows, [1.0] * rows
 
-    @property
-    def reliability(self) -> float:
-        """Observed over predicted acceptance of the drafter's best depth-1 draft, at most 1."""
-        return min(1.0, self.realised / self.expected)
+    def reliability(self, row: int = 0) -> float:
+        """Observed over predicted acceptance of the drafter's best depth-1 draft on this row, at most 1."""
+        return min(1.0, self.realised[row] / self.expected[row])
 
     def observe(self, hidden, next_tokens) -> None:
-        if self.guess is not None:  # next_tokens[0] is what the target chose at the root
-            token, probability = self.guess
-            self.expected = RELIABILITY_DECAY * self.expected + probability
-            self.realised = RELIABILITY_DECAY * self.realised + float(int(next_tokens[0]) == token)
-            self.guess = None
+        self.observe_rows([hidden], [next_tokens])
 
-    def _read_committed(self, tokens: torch.Tensor) -> None:
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        return self.propose_rows([tokens], [max_depth])[0]
+
+    def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
+        """`observe` for every row at once."""
+        for row, tokens in enumerate(next_tokens):
+            if self.guesses[row] is not None:  # tokens[0] is what the target chose at the root
+                token, probability = self.guesses[row]
+                self.expected[row] = RELIABILITY_DECAY * self.expected[row] + probability
+                self.realised[row] = RELIABILITY_DECAY * self.realised[row] + float(int(tokens[0]) == token)
+                self.guesses[row] = None
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only these rows go on (their order kept); the others' sequences are finished."""
+        if self.cache.get_seq_length():
+            keep_rows(self.cache, torch.tensor(rows, device=self.last.device))
+        self.last = None if self.last is None else self.last[rows]
+        for name in self.ROW_STATE:
+            setattr(self, name, [getattr(self, name)[row] for row in rows])
+        if self.cache.get_seq_length():
+            self.cache.crop(max(self.lengths) - self.cache.get_seq_length())
+
+    ROW_STATE = ("lengths", "levels", "guesses", "expected", "realised")  # per-row lists that keep_rows subsets
+
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
     def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _append(self, counts: list[int], run) -> None:
+        """Append counts[b] committed entries to each row's cache in ONE pass: `run(positions [rows, W], mask)`
+        runs the head over the right-padded block [rows, W = max(counts)] (mask None: all rows aligned, causal);
+        each row's entries then move to its own end, and `self.last` becomes each row's newest output."""
+        width = max(counts)
+        if width == 0:
+            return
+        start, device = self.cache.get_seq_length(), self.vocab.weight.device
+        lengths = torch.tensor(self.lengths, device=device)
+        index = torch.arange(width, device=device)
+        if all(n == start for n in self.lengths) and all(c == width for c in counts):
+            out = run((lengths[:, None] + index).contiguous(), None)  # a single sequence always lands here
+            self.lengths = [n + width for n in self.lengths]
+        else:
+            real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
+            committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
+            causal = index[:, None] >= index[None, :]
+            allowed = torch.cat([committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2)
+            allowed[:, index, start + index] = True  # a padding entry sees only itself
+            out = run(lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None])
+            self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
+        newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
+        moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
+        self.last = newest if self.last is None else torch.where(moved, newest, self.last)
+
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return log_probabilities(self.vocab.logits(outputs))
 
-    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        self._read_committed(tokens)
-        depth_limit = min(self.levels, max_depth)
-        if depth_limit < 1:
-            return root_only(tokens)
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        """`propose` for every row at once: texts[b] is row b's committed text, its last token the root."""
+        self._read_committed(texts)
+        limits = [min(levels, depth) for levels, depth in zip(self.levels, max_depths)]
+        deepest = max(limits)
+        if deepest < 1:
+            return [root_only(text) for text in texts]
+        rows, device = len(texts), self.last.device
         k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
-        nodes = DraftNodes(tokens[-1], 1 + k + (depth_limit - 1) * k * k, self.vocab)
-        frontier = nodes.add_children(torch.zeros(1, dtype=torch.long, device=tokens.device), self._log_probs(self.last)[None], k)
-        states, fed = self.last.expand(k, -1), []
-        for level in range(1, depth_limit):
+        nodes = DraftNodes(torch.stack([text[-1] for text in texts]), 1 + k + (deepest - 1) * k * k, self.vocab)
+        frontier = nodes.add_children(torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k)
+        states, fed = self.last[:, None].expand(-1, k, -1), []
+        start, lengths = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device)
+        committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)  # each row's own entries
+        for level in range(1, deepest):
             fed.append(frontier)
-            fed_nodes = torch.cat(fed)
-            # a frontier node sees every committed entry and, among the fed draft nodes, its own ancestors
-            committed = torch.ones(frontier.shape[0], self.length, dtype=torch.bool, device=tokens.device)
-            allowed = torch.cat([committed, nodes.ancestors[frontier][:, fed_nodes]], dim=1)
-            positions = torch.full((1, frontier.shape[0]), self.length + level - 1, device=tokens.device)  # depth d: length + d - 1
-            out = self._expand(nodes, frontier, states, additive_mask(allowed, self.last.dtype)[None, None], positions)
+            # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
+            allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
+            positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
+            out = self._expand(nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions)
             children = nodes.add_children(frontier, self._log_probs(out), k)
-            best = nodes.scores[children].topk(min(k, children.shape[0])).indices  # EAGLE-2: expand the likeliest
-            frontier, states = children[best], out[best // k]
-        self.cache.crop(-sum(f.shape[0] for f in fed))
-        return self._select(nodes, depth_limit, max_depth)
+            best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices  # EAGLE-2: expand the likeliest
+            frontier, states = children.gather(1, best), out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
+        self.cache.crop(-sum(f.shape[1] for f in fed))
+        return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
 
-    def _select(self, nodes: DraftNodes, depth_limit: int, max_depth: int) -> Tree:
-        """The nodes to verify: the `spec.nodes` likeliest, or with a measured cost those that pay for themselves."""
-        count, scores, depth = nodes.count, nodes.scores, nodes.depth
-        self.guess = (int(nodes.tokens[1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
+    def _select(self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int) -> Tree:
+        """Row `row`'s nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
+        cost those that pay for themselves."""
+        if depth_limit < 1:
+            return root_only(nodes.tokens[row, :1])
+        count = 1 + k + (depth_limit - 1) * k * k  # nodes are added level by level: these are the first levels'
+        scores, depth = nodes.scores[row, :count], nodes.depth[:count]
+        self.guesses[row] = (int(nodes.tokens[row, 1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
         keep_count = self.spec.nodes
         if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
             cost = self.spec.cost
-            believed = scores[1:count] + math.log(max(self.reliability, 1e-6))  # an overconfident drafter is discounted
+            believed = scores[1:] + math.log(max(self.reliability(row), 1e-6))  # an overconfident drafter is discounted
             keep_count = best_node_count(believed, cost, depth_limit * cost.draft_level, self.spec.nodes)
-        keep = select_best_nodes(scores[:count], depth[:count], keep_count)
-        if self.spec.cost is not None and max_depth >= self.levels:  # not when a caller capped this step's depth
-            self.levels = min(self.spec.depth, int(depth[keep].max()) + 1)
-        return subtree(nodes.tokens, nodes.parents, depth, nodes.ancestors, keep)
+        keep = select_best_nodes(scores, depth, keep_count)
+        if self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
+            self.levels[row] = min(self.spec.depth, int(depth[keep].max()) + 1)
+        return subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
 
 
 class DraftNodes:
-    """A tree being grown: node 0 is the root; children are appended level by level with their path scores."""
+    """Trees being grown, one a row, in lockstep: node 0 is each root; children are appended level by level
+    (the same count a level in every row, so node i has the same depth in every row) with their path scores."""
 
-    def __init__(self, root: torch.Tensor, capacity: int, vocab: DraftVocabulary):
-        device = root.device
+    def __init__(self, roots: torch.Tensor, capacity: int, vocab: DraftVocabulary):
+        rows, device = roots.shape[0], roots.device
         self.vocab, self.count = vocab, 1
-        self.tokens = torch.empty(capacity, dtype=torch.long, device=device)
+        self.tokens = torch.empty(rows, capacity, dtype=torch.long, device=device)
         self.parents = torch.empty_like(self.tokens)
-        self.depth = torch.empty_like(self.tokens)
-        self.scores = torch.empty(capacity, dtype=torch.float32, device=device)  # log-probability of the path
-        self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)
-        self.tokens[0], self.parents[0], self.depth[0], self.scores[0], self.ancestors[0, 0] = root, -1, 0, 0.0, True
+        self.depth = torch.empty(capacity, dtype=torch.long, device=device)
+        self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)  # log-probability of the path
+        self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
+        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = roots, -1, 0, 0.0, True
 
     def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
-        """Each frontier node's `k` likeliest children (log_probs [F, draft vocab]); returns their indices."""
-        top = log_probs.topk(k, dim=-1)  # [F, k]
-        children = torch.arange(self.count, self.count + top.indices.numel(), device=self.tokens.device)
-        parents = frontier.repeat_interleave(k)
-        self.tokens[children], self.parents[children] = self.vocab.to_target(top.indices).flatten(), parents
-        self.depth[children] = self.depth[parents] + 1
-        self.scores[children] = (self.scores[frontier, None] + top.values).flatten()
-        self.ancestors[children] = self.ancestors[parents]
-        self.ancestors[children, children] = True
-        self.count += children.shape[0]
-        return children
+        """Each frontier node's `k` likeliest children (frontier [rows, F], log_probs [rows, F, draft vocab]);
+        returns their indices [rows, F * k]."""
+        top = log_probs.topk(k, dim=-1)  # [rows, F, k]
+        rows, width = frontier.shape[0], frontier.shape[1] * k
+        children = torch.arange(self.count, self.count + width, device=self.tokens.device)
+        parents = frontier.repeat_interleave(k, dim=1)
+        self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
+        self.depth[children] = self.depth[parents[0]] + 1
+        self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + top.values).flatten(1)
+        self.ancestors[:, children] = self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
+        self.ancestors[:, children, children] = True
+        self.count += width
+        return children.expand(rows, -1)
+
+    def ancestors_among(self, nodes: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+        """[rows, N, M]: whether among[b, m] is an ancestor of nodes[b, n] (or the node itself)."""
+        own = self.ancestors.gather(1, nodes[..., None].expand(-1, -1, self.ancestors.shape[2]))
+        return own.gather(2, among[:, None, :].expand(-1, nodes.shape[1], -1))
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -310,6 +399,8 @@ class EagleDrafter(DynamicTreeDrafter):
     the depth-1 candidates. A draft node's input is its parent's predicted feature and its own token.
     """
 
+    ROW_STATE = DynamicTreeDrafter.ROW_STATE + ("pending", "successors")
+
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
         _check_head_fits(head, model, "this EAGLE head")
         super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE")
@@ -317,52 +408,72 @@ class EagleDrafter(DynamicTreeDrafter):
         self.hidden_layers = tuple(head.config.feature_layers)
         self.reset()
 
-    def reset(self) -> None:
-        super().reset()
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # observed pairs the head has not read yet
-        self.successors: dict[tuple[int, int], int] = {}  # committed bigram -> the token after it (copy_tokens)
-        self.tail = None  # the committed text's last two tokens, for the copy tokens of draft nodes
+    def reset(self, rows: int = 1) -> None:
+        super().reset(rows)
+        self.pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]  # observed pairs not read yet
+        self.successors: list[dict[tuple[int, int], int]] = [{} for _ in range(rows)]  # committed bigram -> next token
+        self.tails = None  # each row's last two committed tokens, for the copy tokens of draft nodes
 
-    def observe(self, hidden, next_tokens) -> None:
-        super().observe(hidden, next_tokens)
-        self.pending.append((torch.cat([hidden[layer] for layer in self.hidden_layers], dim=-1), next_tokens))  # fused inside the head
+    def observe_rows(self, hidden, next_tokens) -> None:
+        super().observe_rows(hidden, next_tokens)
+        for pending, row_hidden, tokens in zip(self.pending, hidden, next_tokens):
+            pending.append((torch.cat([row_hidden[layer] for layer in self.hidden_layers], dim=-1), tokens))  # fused in the head
 
-    def _read_committed(self, tokens: torch.Tensor) -> None:
-        """Feed the head the pairs observed since the last proposal; `tokens` is the committed text."""
-        self.tail = tokens[-2:].tolist() if self.head.config.copy_input else None
-        if not self.pending:
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+        """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text."""
+        copy_input = self.head.config.copy_input
+        self.tails = [text[-2:].tolist() for text in texts] if copy_input else None
+        counts = [sum(tokens.shape[0] for _, tokens in pending) for pending in self.pending]
+        if not any(counts):
             return
-        feature = torch.cat([f for f, _ in self.pending])
-        next_tokens = torch.cat([t for _, t in self.pending])
-        self.pending = []
-        k = next_tokens.shape[0]
-        copies = None
-        if self.head.config.copy_input:  # the bigram map holds the text before; pairs from self.length need one token back
-            offset = max(self.length - 1, 0)
-            found = copy_tokens(tokens[offset:].tolist(), self.length - offset, self.length - offset + k, self.successors)
-            copies = copy_embedding(self.embed, torch.tensor(found, device=tokens.device))[None]
-        positions = torch.arange(self.length, self.length + k, device=next_tokens.device)
-        out = self.head(feature[None], self.embed(next_tokens)[None], copies, position_ids=positions[None], cache=self.cache)
-        self.last, self.length = out[0, -1], self.length + k
+        rows, width, device = len(texts), max(counts), texts[0].device
+        first = next(f for pending in self.pending for f, _ in pending)
+        features = first.new_zeros(rows, width, first.shape[-1])
+        next_tokens = torch.zeros(rows, width, dtype=torch.long, device=device)  # padding reads token 0, masked off
+        copies = torch.full((rows, width), NO_COPY, dtype=torch.long, device=device)
+        for row, (pending, count) in enumerate(zip(self.pending, counts)):
+            if not count:
+                continue
+            features[row, :count] = torch.cat([f for f, _ in pending])
+            next_tokens[row, :count] = torch.cat([t for _, t in pending])
+            if copy_input:  # the bigram map holds the text before; pairs from the row's length need one token back
+                length = self.lengths[row]
+                offset = max(length - 1, 0)
+                found = copy_tokens(texts[row][offset:].tolist(), length - offset, length - offset + count, self.successors[row])
+                copies[row, :count] = torch.tensor(found, device=device)
+        self.pending = [[] for _ in range(rows)]
+        copy_embeds = copy_embedding(self.embed, copies) if copy_input else None
+        self._append(
+            counts,
+            lambda positions, mask: self.head(
+                features, self.embed(next_tokens), copy_embeds, position_ids=positions, attention_mask=mask, cache=self.cache
+            ),
+        )
 
     def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         copies = None
-        if self.tail is not None:  # one transfer of the tree so far, then the paths are walked on the host
-            copies = self._draft_copies(self.tail, nodes.tokens[: nodes.count].tolist(), nodes.parents[: nodes.count].tolist(), frontier.tolist())[None]
-        return self.head(states[None], self.embed(nodes.tokens[frontier])[None], copies, position_ids=positions, attention_mask=mask, cache=self.cache)[0]
+        if self.tails is not None:  # one transfer of the trees so far, then the paths are walked on the host
+            node_tokens, parents = nodes.tokens[:, : nodes.count].tolist(), nodes.parents[:, : nodes.count].tolist()
+            found = [
+                draft_copy_tokens(tail, tokens, row_parents, row_frontier, successors)
+                for tail, tokens, row_parents, row_frontier, successors in zip(self.tails, node_tokens, parents, frontier.tolist(), self.successors)
+            ]
+            copies = copy_embedding(self.embed, torch.tensor(found, device=frontier.device))
+        return self.head(states, self.embed(nodes.tokens.gather(1, frontier)), copies, position_ids=positions, attention_mask=mask, cache=self.cache)
 
-    def _draft_copies(self, tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int]) -> torch.Tensor:
-        """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued
-        by each node's path, read on top of the committed bigrams without changing them."""
-        found = []
-        for node in frontier:
-            path = []
-            while node > 0:  # up to the root, node 0
-                path.append(node_tokens[node])
-                node = parents[node]
-            text = tail + path[::-1]
-            found.append(copy_tokens(text, len(tail) - 1, len(text) - 1, ChainMap({}, self.successors))[-1])
-        return copy_embedding(self.embed, torch.tensor(found, device=self.last.device))
+
+def draft_copy_tokens(tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int], successors: dict) -> list[int]:
+    """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued by
+    each node's path, read on top of the committed bigrams (`successors`) without changing them."""
+    found = []
+    for node in frontier:
+        path = []
+        while node > 0:  # up to the root, node 0
+            path.append(node_tokens[node])
+            node = parents[node]
+        text = tail + path[::-1]
+        found.append(copy_tokens(text, len(tail) - 1, len(text) - 1, ChainMap({}, successors))[-1])
+    return found
 
 
 class EarlyExitDrafter(DynamicTreeDrafter):
@@ -380,16 +491,18 @@ class EarlyExitDrafter(DynamicTreeDrafter):
         self.head = head
         self.reset()
 
-    def _read_committed(self, tokens: torch.Tensor) -> None:
-        new = tokens[self.length :]  # the committed text only grows: what the cache holds stays valid
-        if new.shape[0] == 0:
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+        # the committed text only grows: what the cache holds stays valid
+        counts = [text.shape[0] - length for text, length in zip(texts, self.lengths)]
+        if not any(counts):
             return
-        positions = torch.arange(self.length, tokens.shape[0], device=tokens.device)
-        out = self.head(new[None], position_ids=positions[None], cache=self.cache)
-        self.last, self.length = out[0, -1], tokens.shape[0]
+        new = torch.zeros(len(texts), max(counts), dtype=torch.long, device=texts[0].device)  # padding reads token 0, masked off
+        for row, (text, length) in enumerate(zip(texts, self.lengths)):
+            new[row, : text.shape[0] - length] = text[length:]
+        self._append(counts, lambda positions, mask: self.head(new, position_ids=positions, attention_mask=mask, cache=self.cache))
 
     def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.head(nodes.tokens[frontier][None], position_ids=positions, attention_mask=mask, cache=self.cache)[0]
+        return self.head(nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache)
 
 
 class PromptLookupDrafter(TokenDrafter):
@@ -437,28 +550,50 @@ class MergedDrafter:
         self.token_drafters = [d for d in self.drafters if isinstance(d, TokenDrafter)]
         self.head_drafters = [d for d in self.drafters if not isinstance(d, TokenDrafter)]
 
-    def reset(self) -> None:
+    def reset(self, rows: int = 1) -> None:
         for drafter in self.drafters:
-            drafter.reset()
+            drafter.reset(rows) if isinstance(drafter, OWN_DRAFTERS) else drafter.reset()
 
     def observe(self, hidden, next_tokens) -> None:
+        self.observe_rows([hidden], [next_tokens])
+
+    def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
         for drafter in self.drafters:
-            drafter.observe(hidden, next_tokens)
+            if isinstance(drafter, OWN_DRAFTERS):
+                drafter.observe_rows(hidden, next_tokens)
+            else:  # a foreign drafter has the one-sequence interface (generate() gives it a batch only when it keeps no state)
+                for row_hidden, tokens in zip(hidden, next_tokens):
+                    drafter.observe(row_hidden, tokens)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        for drafter in self.drafters:
+            if isinstance(drafter, OWN_DRAFTERS):
+                drafter.keep_rows(rows)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
-        spans = [self._propose(d, tokens, max_depth) for d in self.token_drafters]
-        head_depth = min(1, max_depth) if any(d.trusted for d in self.token_drafters) else max_depth
-        trees = [self._propose(d, tokens, head_depth) for d in self.head_drafters] + spans
-        tree = trees[0]
-        for other in trees[1:]:
-            tree = merge_trees(tree, other)
-        return tree
+        return self.propose_rows([tokens], [max_depth])[0]
+
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        spans, head_depths = [], []
+        for text, max_depth in zip(texts, max_depths):  # token drafters are asked row by row: `trusted` is per row
+            spans.append([self._propose(d, [text], [max_depth])[0] for d in self.token_drafters])
+            head_depths.append(min(1, max_depth) if any(d.trusted for d in self.token_drafters) else max_depth)
+        heads = [self._propose(d, texts, head_depths) for d in self.head_drafters]  # each head drafts all rows at once
+        merged = []
+        for row in range(len(texts)):
+            trees = [head_trees[row] for head_trees in heads] + spans[row]
+            tree = trees[0]
+            for other in trees[1:]:
+                tree = merge_trees(tree, other)
+            merged.append(tree)
+        return merged
 
     @staticmethod
-    def _propose(drafter: Drafter, tokens: torch.Tensor, max_depth: int) -> Tree:
+    def _propose(drafter: Drafter, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
         """The loop checks the merged tree; a foreign drafter's own tree is checked first, so an error names it."""
-        tree = drafter.propose(tokens, max_depth)
-        return tree if isinstance(drafter, OWN_DRAFTERS) else verifiable_tree(tree, tokens[-1], None, max_depth, drafter_name(drafter))
+        if isinstance(drafter, OWN_DRAFTERS):
+            return drafter.propose_rows(texts, max_depths)
+        return [verifiable_tree(drafter.propose(text, depth), text[-1], None, depth, drafter_name(drafter)) for text, depth in zip(texts, max_depths)]
 
 
 class OracleDrafter(TokenDrafter):

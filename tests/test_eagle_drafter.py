@@ -6,6 +6,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
 from inference import DynamicTreeSpec, EagleDrafter, generate
+from inference.drafters import draft_copy_tokens
 
 
 def recompute(head, model, tokens, draft_tokens):
@@ -39,8 +40,8 @@ class CheckedEagleDrafter(EagleDrafter):
         return super()._log_probs(features)
 
     def propose(self, tokens, max_depth):
-        self._read_committed(tokens)  # what propose does first: the head reads the pairs observed since the last step
-        torch.testing.assert_close(self.last, recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
+        self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
+        torch.testing.assert_close(self.last[0], recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
         self.seen = []
         tree = super().propose(tokens, max_depth)
         if tree.size == 1:  # nothing drafted at the last step
@@ -71,19 +72,17 @@ def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
 
 
 def test_draft_nodes_copy_along_their_own_paths():
-    model = tiny_model("llama", eos=None)
-    drafter = EagleDrafter(EagleHead(EagleConfig.for_target(model.config, copy_input=True)).eval(), model)
     committed = [5, 6, 7, 8, 5, 6, 9, 7, 8]  # the root is the last 8
-    copy_tokens(committed, successors=drafter.successors)  # the bigram map as reading the committed pairs leaves it
-    before = dict(drafter.successors)
-    drafter.last = torch.zeros(1)
+    successors = {}
+    copy_tokens(committed, successors=successors)  # the bigram map as reading the committed pairs leaves it
+    before = dict(successors)
     # root -> 5 -> 6 -> 7 and root -> 9: (8, 5) was followed by 6, then (5, 6) latest by 9, (6, 7) by 8; (8, 9) never seen
     node_tokens, parents, frontier = [8, 5, 9, 6, 7], [-1, 0, 0, 1, 3], [1, 2, 3, 4]
-    found = drafter._draft_copies(committed[-2:], node_tokens, parents, frontier)
+    found = draft_copy_tokens(committed[-2:], node_tokens, parents, frontier, successors)
     expected = [6, NO_COPY, 9, 8]
     assert [copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7])] == expected  # the whole-text reading
-    assert torch.equal(found, copy_embedding(model.get_input_embeddings(), torch.tensor(expected)))
-    assert drafter.successors == before  # drafts leave the committed map alone
+    assert found == expected
+    assert successors == before  # drafts leave the committed map alone
 
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
@@ -97,7 +96,7 @@ def test_eagle_drafter_state_and_trees_match_a_recomputation():
         prompt = torch.cat([segment, torch.tensor([3]), segment[:5]])  # repeated bigrams: copy tokens to find
         generate(model, drafter, prompt, max_new_tokens=12, fallback=False)
         assert drafter.checked_nodes > 30
-        assert drafter.cache.get_seq_length() == drafter.length  # draft entries never outlive a step
+        assert drafter.cache.get_seq_length() == drafter.lengths[0]  # draft entries never outlive a step
 
 
 def _observed_drafters(model, head, prompt, trusted_ngram):
@@ -144,9 +143,9 @@ def test_an_overconfident_head_is_discounted():
     drafter = EagleDrafter(head, model, DynamicTreeSpec(depth=3, top_k=2, nodes=6))
     prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(3))
     generate(model, drafter, prompt, max_new_tokens=24, fallback=False)
-    assert drafter.reliability < 0.5
+    assert drafter.reliability() < 0.5
     drafter.reset()
-    assert drafter.reliability == 1.0
+    assert drafter.reliability() == 1.0
 
 
 def test_a_draft_vocabulary_smaller_than_top_k_drafts_from_all_of_it():

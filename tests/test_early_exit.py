@@ -63,12 +63,12 @@ class CheckedEarlyExitDrafter(EarlyExitDrafter):
 
     def propose(self, tokens, max_depth):
         tree = super().propose(tokens, max_depth)
-        assert self.cache.get_seq_length() == self.length == tokens.shape[0]
+        assert self.cache.get_seq_length() == self.lengths[0] == tokens.shape[0]
         with torch.no_grad():
             fresh = self.head(tokens[None])[0, -1]
         # float32 summed in another order moves it by up to ~2e-4 (seen on one CPU); one stale or leaked entry
         # moves it by about 1 (the median over 50 random prefixes), so a cache bug fails at most of its steps
-        torch.testing.assert_close(self.last, fresh, atol=1e-2, rtol=0)
+        torch.testing.assert_close(self.last[0], fresh, atol=1e-2, rtol=0)
         self.steps = getattr(self, "steps", 0) + 1
         return tree
 
