@@ -37,6 +37,57 @@ def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dty
     return ids, index.expand(len(prompts), -1), additive_mask(allowed, dtype)[:, None]
 
 
+def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """Rows prefilled in one pass together: longest first, a group grows while its padding stays within `waste`
+    of its real tokens (one long prompt would otherwise make every row of the batch compute its length)."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + waste) * (sum(lengths[r] for r in groups[-1]) + lengths[row]):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def prefill(model, prompts: list[torch.Tensor], pad_token: int, hidden_layers: tuple[int, ...]):
+    """Every prompt through the target, in groups of similar lengths (prefill_groups): returns the batch's cache
+    (row b's prompt in entries [0, len_b)), each prompt's last logits [B, V], and each row's hidden states at
+    `hidden_layers` ({layer: [len_b, H]})."""
+    lengths = [p.shape[0] for p in prompts]
+    width, rows = max(lengths), len(prompts)
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    keys, values, last_logits, hidden = None, None, [None] * rows, [None] * rows
+    for group in prefill_groups(lengths):
+        ids, positions, mask = prefill_inputs([prompts[row] for row in group], pad_token, model.dtype)
+        ends = torch.tensor([lengths[row] - 1 for row in group], device=ids.device)
+        last = ends.unique()  # sorted: only the prompts' last logits are computed
+        group_cache = new_cache(model)
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=group_cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            **({"logits_to_keep": last} if takes_keep else {}),
+        )
+        columns = torch.searchsorted(last, ends) if takes_keep else ends
+        if keys is None:  # the batch's cache, filled group by group
+            keys = [layer.keys.new_zeros(rows, layer.keys.shape[1], width, layer.keys.shape[3]) for layer in group_cache.layers]
+            values = [layer.values.new_zeros(rows, layer.values.shape[1], width, layer.values.shape[3]) for layer in group_cache.layers]
+        index = torch.tensor(group, device=ids.device)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            k[index, :, : ids.shape[1]] = group_cache.layers[layer].keys
+            v[index, :, : ids.shape[1]] = group_cache.layers[layer].values
+        for slot, row in enumerate(group):
+            last_logits[row] = out.logits[slot, columns[slot]]
+            hidden[row] = {layer: out.hidden_states[layer][slot, : lengths[row]] for layer in hidden_layers}
+    cache = new_cache(model)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
+    return cache, torch.stack(last_logits), hidden
+
+
 def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_token: int, dtype: torch.dtype):
     """One verification pass for every row's tree, appended after `cache_length` cache entries.
 
@@ -78,16 +129,11 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
         ends[row] += new.shape[0]
         out_tokens[row] += new.tolist()
 
-    cache = new_cache(model)
-    ids, positions, mask = prefill_inputs(prompts, pad, dtype)
+    cache, last_logits, hidden = prefill(model, prompts, pad, drafter.hidden_layers)
     lengths = [p.shape[0] for p in prompts]
-    last = torch.tensor(sorted(set(n - 1 for n in lengths)), device=ids.device)  # only the prompts' last logits
-    keep = {"logits_to_keep": last} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers), **keep)
-    column = {int(position): index for index, position in enumerate(last)} if keep else {n - 1: n - 1 for n in lengths}
     still = []  # rows that go on decoding
-    for row, length in enumerate(lengths):
-        first = target_tokens(out.logits[row, column[length - 1]][None], sampling, generators[row])
+    for row in range(count):
+        first = target_tokens(last_logits[row][None], sampling, generators[row])
         passes[row] += 1
         append(row, first)
         if not bool(torch.isin(first, eos).any()) and max_new_tokens > 1:
@@ -95,7 +141,7 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
     started = time.perf_counter()
     if still:
         drafter.keep_rows(still)
-        drafter.observe_rows([{layer: out.hidden_states[layer][row, : lengths[row]] for layer in drafter.hidden_layers} for row in still], [texts[row][1 : ends[row]] for row in still])
+        drafter.observe_rows([hidden[row] for row in still], [texts[row][1 : ends[row]] for row in still])
     draft_seconds += time.perf_counter() - started
     # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
     active, cached = _shrink(cache, list(range(count)), still, lengths)

@@ -23,7 +23,6 @@ from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfig
 from heads.config import check_feature_layers
 
 from .cache import keep_paths, keep_rows
-
 from .tree import (
     MAX_TOP_K,
     DynamicTreeSpec,
@@ -445,9 +444,7 @@ class EagleDrafter(DynamicTreeDrafter):
         copy_embeds = copy_embedding(self.embed, copies) if copy_input else None
         self._append(
             counts,
-            lambda positions, mask: self.head(
-                features, self.embed(next_tokens), copy_embeds, position_ids=positions, attention_mask=mask, cache=self.cache
-            ),
+            lambda positions, mask: self.head(features, self.embed(next_tokens), copy_embeds, position_ids=positions, attention_mask=mask, cache=self.cache),
         )
 
     def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

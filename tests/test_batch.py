@@ -143,3 +143,11 @@ def test_bad_batches_are_refused_clearly():
 
     with pytest.raises(ValueError, match="keeps the state of one sequence"):
         generate(model, EagleDrafter(eagle, model), [[5, 6], [7]])
+
+
+def test_prefill_groups_keep_padding_small():
+    from inference.batch import prefill_groups
+
+    assert prefill_groups([50, 52, 400, 48]) == [[2], [1, 0, 3]]  # the long prompt alone, the short ones together
+    assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
+    assert sorted(row for group in prefill_groups([7, 300, 9, 120, 118, 5]) for row in group) == list(range(6))
