@@ -18,6 +18,7 @@ import torch
 from .accept import Sampling, accept, target_tokens
 from .cache import keep_paths, keep_rows, new_cache
 from .drafters import drafter_name
+from .fallback import Fallback
 from .tree import Tree, additive_mask, verifiable_tree
 
 
@@ -111,9 +112,10 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     return ids, positions, additive_mask(allowed, dtype)[:, None]
 
 
-def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor):
-    """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, and the seconds
-    spent drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level)."""
+def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor, plain: Fallback):
+    """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, the seconds spent
+    drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level), and the steps taken
+    without drafting (`plain` judges, as for one sequence, the whole batch's tokens per second)."""
     count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
     dtype = model.dtype
     out_tokens = [[] for _ in range(count)]
@@ -146,15 +148,22 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
     # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
     active, cached = _shrink(cache, list(range(count)), still, lengths)
 
+    plain_steps = 0
     while active:
-        started = time.perf_counter()
-        budgets = [max_new_tokens - len(out_tokens[row]) for row in active]
-        proposed = drafter.propose_rows([texts[row][: ends[row]] for row in active], [budget - 1 for budget in budgets])
-        trees = [
-            verifiable_tree(tree, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, drafter_name(drafter))
-            for tree, row, budget in zip(proposed, active, budgets)
-        ]
+        step_started = started = time.perf_counter()
+        drafting = plain.use_drafter()
+        if drafting:
+            budgets = [max_new_tokens - len(out_tokens[row]) for row in active]
+            proposed = drafter.propose_rows([texts[row][: ends[row]] for row in active], [budget - 1 for budget in budgets])
+            trees = [
+                verifiable_tree(tree, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, drafter_name(drafter))
+                for tree, row, budget in zip(proposed, active, budgets)
+            ]
+        else:
+            trees = [Tree.chain(texts[row][ends[row] - 1 : ends[row]]) for row in active]
+            plain_steps += 1
         draft_seconds += time.perf_counter() - started
+        step_tokens = sum(ends[row] for row in active)
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
@@ -182,8 +191,9 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
             drafter.keep_rows(slots)
             drafter.observe_rows(observed, committed)
         draft_seconds += time.perf_counter() - started
+        plain.record(drafting, sum(ends[row] for row in active) - step_tokens, time.perf_counter() - step_started)
         active, cached = _shrink(cache, active, still, cached)
-    return out_tokens, passes, nodes, draft_seconds
+    return out_tokens, passes, nodes, draft_seconds, plain_steps
 
 
 def _shrink(cache, active: list[int], still: list[int], cached: list[int]) -> tuple[list[int], list[int]]:

@@ -193,7 +193,7 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
     if _is_batch(prompt_or_input_ids):
-        return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, seed)
+        return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed)
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
     drafter.reset()
@@ -251,10 +251,10 @@ def _is_batch(prompts) -> bool:
     return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], (str, list, tuple, torch.Tensor, Mapping))
 
 
-def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, seed) -> list[Generation]:
-    """generate() for a list of prompts (inference.batch): one result per prompt, in order. Every row drafts at
-    every step (no fallback); one drafter built from the shared heads drafts all rows at once. A row's stats count
-    its own tokens, passes and nodes; their `seconds` and `draft_seconds` are the whole batch's."""
+def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed) -> list[Generation]:
+    """generate() for a list of prompts (inference.batch): one result per prompt, in order. One drafter built from
+    the shared heads drafts all rows at once; the fallback judges the whole batch. A row's stats count its own
+    tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole batch's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
             item = item["input_ids"]
@@ -274,13 +274,15 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     drafter.reset(len(ids))
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
-    new_tokens, passes, nodes, draft_seconds = decode_batch(
-        model, drafter, ids, max_new_tokens, sampling, generators, torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
-    )
+    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter))
+    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain)
     seconds = time.perf_counter() - started
     results = []
     for row, tokens in enumerate(new_tokens):
-        stats = GenerationStats(new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds)
+        stats = GenerationStats(
+            new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds, plain_steps=plain_steps
+        )
         text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
         results.append(Generation(tokens, text, stats))
     return results

@@ -311,7 +311,9 @@ def batch_throughput(args, argv) -> None:
                 if name == "hf":
                     outputs += hf_batch(model, chunk, args.max_new_tokens)
                 else:
-                    outputs += [o.token_ids for o in generate(model, heads, chunk, max_new_tokens=args.max_new_tokens, tree=tree)]
+                    outputs += [
+                        o.token_ids for o in generate(model, heads, chunk, max_new_tokens=args.max_new_tokens, tree=tree, fallback=not args.no_fallback)
+                    ]
             timings[name] = (sum(map(len, outputs)) / (time.perf_counter() - started), outputs)
         identical = sum(a == b for a, b in zip(timings[method][1], alone))
         rows.append((size, timings["hf"][0], timings[method][0], identical, len(alone)))

@@ -94,7 +94,7 @@ def test_every_row_matches_hf_greedy_alone(case):
         start = 0
         for size in sizes:
             batch = slice(start, start + size)
-            outs = generate(model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False)
+            outs = generate(model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             assert len(outs) == size
             for offset, (out, reference) in enumerate(zip(outs, references[batch])):
                 finished_early += len(reference) < NEW_TOKENS
