@@ -285,46 +285,54 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 
 def batch_throughput(args, argv) -> None:
-    """Total new tokens per second over the first turns, in batches of each size: HF generate() batched, and the
-    first of --methods through generate(model, heads, [prompts...]); float32 rows are checked against HF alone."""
+    """Total new tokens per second over the first turns, in batches of each size: HF generate() batched beside each
+    of --methods through generate(model, heads, [prompts...]), interleaved; rows are compared with HF alone."""
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
-    method = next(m for m in args.methods if m != "hf")
-    heads = {"plain": None, "lookup": PromptLookupDrafter()}.get(method)
-    if heads is None and method != "plain":
-        kind = method.split("+")[0].removesuffix("-default")
-        heads = load_early_exit(args.early_exit, model) if kind == "early-exit" else load_heads(getattr(args, kind), model)
-        heads = [heads, PromptLookupDrafter()] if "+lookup" in method or method.endswith("-default") else heads
-    tree = None if args.tree == "calibrated" else DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+    fixed = None if args.tree == "calibrated" else DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+    runs = {}  # method -> generate() keywords
+    for method in (m for m in args.methods if m != "hf"):
+        heads = {"plain": None, "lookup": PromptLookupDrafter()}.get(method)
+        if heads is None and method != "plain":
+            kind = method.split("+")[0].removesuffix("-default")
+            heads = load_early_exit(args.early_exit, model) if kind == "early-exit" else load_heads(getattr(args, kind), model)
+        if method.endswith("-default"):  # generate(model, heads, prompts) as it is
+            runs[method] = dict(heads=heads)
+        else:
+            runs[method] = dict(heads=heads, tree=fixed, lookup="+lookup" in method, fallback=not args.no_fallback)
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
-    generate(model, heads, prompts[:2], max_new_tokens=8, tree=tree)
-    if tree is None and heads is not None:  # measured once per batch size and cached: not inside the timing
-        for rows in sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)}):
-            calibrated_tree(model, heads, batch=rows, verbose=True)
+    batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})
+    for run in runs.values():
+        generate(model, prompt_or_input_ids=prompts[:2], max_new_tokens=8, **run)
+        if run.get("tree") is None and run["heads"] is not None:  # measured once per batch size and cached: not timed
+            for rows in batches:
+                calibrated_tree(model, run["heads"], batch=rows, verbose=True)
     rows = []
     for size in args.batch_sizes:
         timings = {}
-        for name in ("hf", method):
+        for name in ["hf", *runs]:
             started, outputs = time.perf_counter(), []
             for start in range(0, len(prompts), size):
                 chunk = prompts[start : start + size]
                 if name == "hf":
                     outputs += hf_batch(model, chunk, args.max_new_tokens)
                 else:
-                    outputs += [
-                        o.token_ids for o in generate(model, heads, chunk, max_new_tokens=args.max_new_tokens, tree=tree, fallback=not args.no_fallback)
-                    ]
+                    outputs += [o.token_ids for o in generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])]
             timings[name] = (sum(map(len, outputs)) / (time.perf_counter() - started), outputs)
-        identical = sum(a == b for a, b in zip(timings[method][1], alone))
-        rows.append((size, timings["hf"][0], timings[method][0], identical, len(alone)))
-        print(f"batch {size}: HF {timings['hf'][0]:.1f} tok/s, {method} {timings[method][0]:.1f} tok/s", flush=True)
+        rows.append((size, timings))
+        print(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, _) in timings.items()), flush=True)
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy; total new tokens per second.\n\n"
+        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy; total new tokens per second "
+        f"(ours / HF in parentheses); the last column counts the first {len(alone)} rows identical to HF generate() of that prompt alone.\n\n"
     )
-    table = "| batch | HF generate() batched | " + method + " | ratio | first rows identical to HF alone |\n|---|---|---|---|---|\n"
-    table += "".join(f"| {b} | {hf:.1f} | {ours:.1f} | {ours / hf:.2f}x | {same}/{n} |\n" for b, hf, ours, same, n in rows)
+    table = "| batch | HF generate() batched | " + " | ".join(runs) + " | identical |\n|---|---|" + "---|" * len(runs) + "---|\n"
+    for size, timings in rows:
+        hf = timings["hf"][0]
+        cells = " | ".join(f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x)" for name in runs)
+        same = ", ".join(f"{sum(a == b for a, b in zip(timings[name][1], alone))}/{len(alone)}" for name in runs)
+        table += f"| {size} | {hf:.1f} | {cells} | {same} |\n"
     print("\n" + header + table)
     if args.out:
         Path(args.out).with_suffix(".md").write_text(header + table)

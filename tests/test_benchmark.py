@@ -46,6 +46,18 @@ def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_p
     assert out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
 
 
+def test_batch_throughput_puts_every_method_beside_hf_batched(tiny_chat, tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "chat", "turns": [f"the cat runs {i} times"]}) for i in range(5)))
+    out = tmp_path / "batches"
+    args = ["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "hf", "plain", "lookup"]
+    benchmark.main(args + ["--max-new-tokens", "10", "--batch-sizes", "1", "2", "--out", str(out)])
+    lines = out.with_suffix(".md").read_text().splitlines()
+    assert "| batch | HF generate() batched | plain | lookup | identical |" in lines
+    rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and all(row.endswith("| 4/4, 4/4 |") for row in rows)  # float32: every row is HF's own
+
+
 def test_divergence_measures_the_targets_own_logit_gap():
     import torch
 
