@@ -298,7 +298,8 @@ def batch_throughput(args, argv) -> None:
         if method.endswith("-default"):  # generate(model, heads, prompts) as it is
             runs[method] = dict(heads=heads)
         else:
-            runs[method] = dict(heads=heads, tree=fixed, lookup="+lookup" in method, fallback=not args.no_fallback)
+            trained = heads is not None and not isinstance(heads, PromptLookupDrafter)  # only a trained head's tree is set here
+            runs[method] = dict(heads=heads, tree=fixed if trained else None, lookup="+lookup" in method, fallback=not args.no_fallback)
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
     batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})

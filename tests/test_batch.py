@@ -151,3 +151,52 @@ def test_prefill_groups_keep_padding_small():
     assert prefill_groups([50, 52, 400, 48]) == [[2], [1, 0, 3]]  # the long prompt alone, the short ones together
     assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
     assert sorted(row for group in prefill_groups([7, 300, 9, 120, 118, 5]) for row in group) == list(range(6))
+
+
+@pytest.mark.parametrize("kind", ["eagle-copy", "early-exit", "medusa"])
+def test_a_batch_drafts_what_each_row_drafts_alone(kind):
+    """The batched drafter (one ragged draft cache, one head pass a level for all rows) against one drafter per
+    row: the same head state for every row and the same trees, after rows of different lengths observed different
+    numbers of tokens and one row left the batch."""
+    from inference.drafters import as_drafter
+
+    model = tiny_model("llama", eos=None)
+    heads, tree = heads_for(model)[kind]
+    prompts = random_prompts(model.config.vocab_size, 3, seed=9)
+    texts = [p.clone() for p in prompts]
+    batch = as_drafter(heads, model, tree)
+    alone = [as_drafter(heads, model, tree) for _ in prompts]
+    batch.reset(len(prompts))
+
+    def observe(rows, counts, first=False):
+        """Each row commits counts[row] tokens; the drafters see the target's states that produced them (after the
+        prefill: the whole prompt's)."""
+        hidden, tokens = [], []
+        for row, count in zip(rows, counts):
+            old = texts[row].shape[0]
+            texts[row] = torch.cat([texts[row], torch.randint(4, 90, (count,), generator=torch.Generator().manual_seed(row + 10 * count))])
+            with torch.no_grad():
+                states = model(texts[row][None], output_hidden_states=True).hidden_states
+            start, end = 0 if first else old - 1, old - 1 + count
+            hidden.append({layer: states[layer][0, start:end] for layer in batch.hidden_layers})
+            tokens.append(texts[row][start + 1 : end + 1])
+        batch.observe_rows(hidden, tokens)
+        for row, row_hidden, row_tokens in zip(rows, hidden, tokens):
+            alone[row].observe(row_hidden, row_tokens)
+
+    def compare(rows):
+        with torch.no_grad():
+            trees = batch.propose_rows([texts[row] for row in rows], [4] * len(rows))
+            for slot, row in enumerate(rows):
+                own = alone[row].propose(texts[row], 4)
+                assert torch.equal(trees[slot].tokens, own.tokens) and torch.equal(trees[slot].parents, own.parents), (kind, row)
+                if kind != "medusa":
+                    torch.testing.assert_close(batch.last[slot], alone[row].last[0], atol=1e-5, rtol=1e-4)
+
+    observe([0, 1, 2], [1, 1, 1], first=True)  # the prefill
+    compare([0, 1, 2])
+    observe([0, 1, 2], [1, 4, 2])  # each row accepted a different number of tokens
+    compare([0, 1, 2])
+    batch.keep_rows([0, 2])  # row 1 finished
+    observe([0, 2], [3, 1])
+    compare([0, 2])
