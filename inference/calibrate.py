@@ -32,6 +32,7 @@ from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead  # heads whose drafter grows its own trees, a level per head pass
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+MEASUREMENT_VERSION = 2  # part of the cache key: calibrations measured the older way (one pass count at a time) are measured again
 BATCH_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens a row: a batch's trees are smaller
 CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
@@ -48,18 +49,26 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def median_seconds(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
+def interleaved_medians(runs, repeats: int) -> list[float]:
+    """The median seconds of each run, measured in rounds (each run once a round) so that a burst of load from
+    elsewhere on the machine slows every run alike instead of one of them."""
+    for run in runs:
+        run()  # warm-up
+    times = [[] for _ in runs]
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for run, spent in zip(runs, times):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - started)
+    return [statistics.median(spent) for spent in times]
+
+
+def median_seconds(run, repeats: int) -> float:
+    return interleaved_medians([run], repeats)[0]
 
 
 @torch.inference_mode()
@@ -97,7 +106,9 @@ def measure(
         )
         cache.crop(-k)
 
-    seconds = [median_seconds(lambda k=k: verify(k), repeats) for k in token_counts]
+    seconds = interleaved_medians([lambda k=k: verify(k) for k in token_counts], repeats)
+    # a pass over fewer tokens never costs more than one over more: a measurement that noise inflated is capped
+    seconds = [min(seconds[i:]) for i in range(len(seconds))]
     draft_level = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
@@ -123,6 +134,7 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
         torch.__version__,
         head_id,
         None if spec is None else (spec.depth, spec.top_k),
+        MEASUREMENT_VERSION,
     ] + ([batch] if batch > 1 else [])
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
 

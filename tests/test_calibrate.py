@@ -39,3 +39,17 @@ def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
     steps = narrow.stats.target_forwards - 1  # the prefill is not a decode step
     assert narrow.stats.tree_nodes == steps  # nothing but the root was ever verified
     assert wide.stats.tree_nodes > 6 * (wide.stats.target_forwards - 1)  # free verification: (nearly) every draft kept
+
+
+def test_pass_costs_are_measured_in_rounds_and_never_fall_with_more_tokens():
+    order = []
+    medians = calibrate.interleaved_medians([lambda: order.append("a"), lambda: order.append("b")], repeats=3)
+    assert order == ["a", "b"] * 4 and len(medians) == 2  # a warm-up each, then one of each a round
+    model = tiny_model("llama")
+    batched, _ = calibrate.measure(model, batch=3, repeats=2)
+    assert batched.tokens == calibrate.BATCH_TOKEN_COUNTS and batched.relative[0] == 1.0
+    assert list(batched.relative) == sorted(batched.relative)
+
+
+def test_a_batch_is_calibrated_by_its_power_of_two():
+    assert [calibrate.calibration_batch(rows) for rows in (1, 2, 3, 7, 8, 100)] == [1, 2, 2, 4, 8, 64]
