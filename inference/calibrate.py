@@ -135,7 +135,8 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
         head_id,
         None if spec is None else (spec.depth, spec.top_k),
         MEASUREMENT_VERSION,
-    ] + ([batch] if batch > 1 else [])
+        batch,
+    ]
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
 
 

@@ -3,7 +3,8 @@
 A drafted step verifies several tokens and may accept several; a plain step verifies one and commits one.
 Which is faster depends on the hardware, the dtype and how often this head is right on this text, so the
 loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
-committed. One plain step early on prices plain decoding. While the recent drafted steps (at least `judge`
+committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed).
+One plain step early on prices plain decoding. While the recent drafted steps (at least `judge`
 of them: acceptance comes in bursts, and two unlucky steps say little) commit fewer tokens per second than
 plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting loses again, up to
 `max_hold`), then drafts `judge` steps to look again.
@@ -46,6 +47,9 @@ class Fallback:
         if rate(self.drafted) < rate(self.plain):
             self.plain_left, self.hold = self.hold, min(2 * self.hold, self.max_hold)
             self.drafted.clear()  # after the hold, drafting is judged afresh
+            # and its first step is not timed: it also feeds the drafter what the hold committed, a cost of
+            # switching that grows with the hold; timing it would hold off drafting longer each time
+            self.warm = False
         else:
             self.hold = self.first_hold
 

@@ -26,9 +26,10 @@ def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     # drafted: 2 tokens in 3 s; plain: 1 token in 1 s
     taken = run(Fallback(judge=2, hold=4, max_hold=8), 40, (2, 3.0), (1, 1.0))
     # the first drafted step is not timed, two more are; one plain step prices plain decoding; drafting loses:
-    # 4 plain steps, two drafted probes, 8 plain, two probes, 8 (the hold stops doubling at max_hold) ...
-    assert taken.startswith("DDD" + "p" + "pppp" + "DD" + "pppppppp" + "DD" + "pppppppp"), taken
-    assert taken.count("D") < 12
+    # 4 plain steps, then a probe of two timed drafted steps after an untimed one (it also feeds the drafter what
+    # the plain steps committed), 8 plain, a probe, 8 (the hold stops doubling at max_hold) ...
+    assert taken.startswith("DDD" + "p" + "pppp" + "DDD" + "pppppppp" + "DDD" + "pppppppp"), taken
+    assert taken.count("D") <= 12
 
 
 def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
