@@ -5,7 +5,7 @@ Which is faster depends on the hardware, the dtype and how often this head is ri
 loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
 committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed).
 One plain step early on prices plain decoding. While the recent drafted steps (at least `judge`
-of them: acceptance comes in bursts, and two unlucky steps say little) commit fewer tokens per second than
+of them: acceptance comes in bursts, and a few unlucky steps say little) commit fewer tokens per second than
 plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting loses again, up to
 `max_hold`), then drafts `judge` steps to look again.
 """
@@ -16,7 +16,7 @@ from collections import deque
 
 
 class Fallback:
-    def __init__(self, enabled: bool = True, window: int = 8, judge: int = 4, hold: int = 8, max_hold: int = 64):
+    def __init__(self, enabled: bool = True, window: int = 16, judge: int = 8, hold: int = 8, max_hold: int = 64):
         self.enabled, self.judge, self.first_hold, self.max_hold = enabled, judge, hold, max_hold
         self.hold = hold
         self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps

@@ -276,7 +276,7 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
     # a batch's step tells as much about its drafter as `rows` steps of one sequence: judge it after fewer steps
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(1, 4 // len(ids)))
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(1, Fallback().judge // len(ids)))
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain)
     seconds = time.perf_counter() - started
     results = []

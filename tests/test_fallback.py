@@ -43,7 +43,7 @@ def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
 
 def test_drafting_that_pays_keeps_drafting():
     taken = run(Fallback(), 40, (4, 2.0), (1, 1.0))
-    assert taken == "D" * 5 + "p" + "D" * 34  # plain decoding priced once, after four timed drafted steps
+    assert taken == "D" * 9 + "p" + "D" * 30  # plain decoding priced once, after eight timed drafted steps
 
 
 def test_a_disabled_fallback_always_drafts():
