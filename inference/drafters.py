@@ -292,7 +292,8 @@ class DynamicTreeDrafter:
         index = torch.arange(width, device=device)
         if all(n == start for n in self.lengths) and all(c == width for c in counts):
             out = run((lengths[:, None] + index).contiguous(), None)  # a single sequence always lands here
-            self.lengths = [n + width for n in self.lengths]
+            self.lengths, self.last = [n + width for n in self.lengths], out[:, -1]
+            return
         else:
             real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
             committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
