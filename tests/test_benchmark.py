@@ -164,3 +164,62 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
     with pytest.raises(SystemExit):
         benchmark.main(common + ["--shard", "3/3"])
     assert "--shard K/N needs 0 <= K < N, got '3/3'" in capsys.readouterr().err
+
+
+def test_check_greedy_accepts_a_recorded_run_and_catches_a_changed_token(tiny_chat, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import check_greedy
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(
+        "\n".join(
+            json.dumps(q)
+            for q in [
+                {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
+                {"question_id": 2, "category": "chat", "turns": ["red blue"]},
+            ]
+        )
+    )
+    out = tmp_path / "report"
+    benchmark.main(
+        [
+            "--model",
+            str(tiny_chat / "model"),
+            "--questions",
+            str(questions),
+            "--methods",
+            "plain",
+            "lookup",
+            "--max-new-tokens",
+            "12",
+            "--no-fallback",
+            "--out",
+            str(out),
+        ]
+    )
+    record = out.with_suffix(".json")
+    report = check_greedy.main([str(record)])
+    assert all(entry["turns"] == 3 and not entry["wrong_turns"] for entry in report.values())
+
+    run = json.loads(record.read_text())
+    tokens = run["records"][1]["tokens"]["lookup"]  # a second turn: its prompt holds the first method's first answer
+    vocab = json.loads((tiny_chat / "model" / "config.json").read_text())["vocab_size"]
+    tokens[0] = (tokens[0] + 1) % vocab
+    record.write_text(json.dumps(run))
+    with pytest.raises(SystemExit) as failed:
+        check_greedy.main([str(record)])
+    assert failed.value.code == 1
+
+
+def test_check_greedy_catches_an_answer_that_stops_early(tiny_chat):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import check_greedy
+    from inference import load_target
+
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    prompt = torch.tensor([1, 5, 7, 9])
+    greedy = model.generate(prompt[None], attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False, max_new_tokens=8)[0, 4:].tolist()
+    eos = {model.generation_config.eos_token_id}
+    assert check_greedy.check_answer(model, prompt, greedy, eos, 8)["stops_right"] == (len(greedy) == 8 or greedy[-1] in eos)
+    shortened = check_greedy.check_answer(model, prompt, greedy[:5], eos, 8)
+    assert not shortened["mismatches"] and not shortened["stops_right"]

@@ -1,0 +1,105 @@
+"""Is a recorded benchmark run the target's own greedy output? One teacher-forced pass a turn, no baseline rerun.
+
+    python scripts/check_greedy.py docs/results/dev-all-eagle-fp32-fixed16.json
+
+For every turn and method of a `scripts/benchmark.py` record (its .json), the prompt is rebuilt as the benchmark
+built it (the question's turns, the first method's earlier answers), the target runs once over prompt + answer,
+and every answer token must be the target's argmax at its position; the answer must stop where greedy stops (at
+the first end-of-sequence token, or after max_new_tokens). That costs one pass a turn, where running HF
+`generate()` beside the method costs one pass a token. Run it in the dtype the record was made in (float32 for
+an exactness claim). A teacher-forced pass rounds a little differently from one-token passes, so the smallest
+gap between the two top logits along the answers is reported too: a mismatch at a gap of ~1e-5 is rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import chat_prompt, read_questions  # noqa: E402
+from inference import load_target  # noqa: E402
+
+
+@torch.inference_mode()
+def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], max_new_tokens: int) -> dict:
+    """Mismatching positions (answer token is not the argmax, with the gap to the top logit), the smallest
+    top-two gap on the path, and whether the answer stops where greedy would."""
+    if not answer:
+        return {"mismatches": [], "min_gap": None, "stops_right": max_new_tokens == 0}
+    ids = torch.cat([prompt, torch.tensor(answer, dtype=torch.long)]).to(model.device)
+    # the last len(answer) + 1 positions' logits; the first len(answer) of them predict the answer's tokens
+    logits = model(ids[None], logits_to_keep=len(answer) + 1).logits[0, :-1].float()
+    top2 = logits.topk(2, dim=-1)
+    chosen = torch.tensor(answer, device=logits.device)
+    wrong = (top2.indices[:, 0] != chosen).nonzero().flatten().tolist()
+    mismatches = [{"position": p, "gap": float(top2.values[p, 0] - logits[p, answer[p]])} for p in wrong]
+    early_eos = any(t in eos for t in answer[:-1])
+    stops_right = not early_eos and (answer[-1] in eos or len(answer) == max_new_tokens)
+    return {"mismatches": mismatches, "min_gap": float((top2.values[:, 0] - top2.values[:, 1]).min()), "stops_right": stops_right}
+
+
+def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
+    """Per method: turns, tokens, turns with a mismatch or a wrong stop, and the smallest top-two gap."""
+    methods, max_new_tokens = run["args"]["methods"], run["args"]["max_new_tokens"]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    by_id = {q["question_id"]: q for q in questions}
+    report = {m: {"turns": 0, "tokens": 0, "wrong_turns": [], "min_gap": float("inf")} for m in methods}
+    answers: list[str] = []
+    for record in tqdm(run["records"], desc="turns"):
+        question = by_id.get(record["question_id"])
+        if question is None:
+            raise SystemExit(f"question {record['question_id']} of the record is not in the question file; pass the --questions the run used")
+        if record["turn"] == 0:
+            answers = []
+        prompt = chat_prompt(tokenizer, question["turns"][: record["turn"] + 1], answers)
+        for method in methods:
+            answer = record["tokens"][method]
+            result = check_answer(model, prompt, answer, eos, max_new_tokens)
+            entry = report[method]
+            entry["turns"] += 1
+            entry["tokens"] += len(answer)
+            if result["min_gap"] is not None:
+                entry["min_gap"] = min(entry["min_gap"], result["min_gap"])
+            if result["mismatches"] or not result["stops_right"]:
+                entry["wrong_turns"].append({"question_id": record["question_id"], "turn": record["turn"], **result})
+        answers.append(tokenizer.decode(record["tokens"][methods[0]], skip_special_tokens=True))  # as the benchmark fed them back
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("record", help="a benchmark run's .json (scripts/benchmark.py --out)")
+    parser.add_argument("--questions", default=None, help="the question file the run used (default: the one it recorded)")
+    parser.add_argument("--dtype", default=None, help="default: the dtype the run recorded")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    path = Path(args.record)
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: pass the .json a benchmark run wrote with --out")
+    run = json.loads(path.read_text())
+    if not isinstance(run, dict) or "records" not in run or "args" not in run:
+        raise SystemExit(f"{path} is not a benchmark record (no 'args' and 'records'); batch-throughput records hold no answers to check")
+    recorded = run["args"]
+    model, tokenizer = load_target(recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device)
+    report = check_run(model, tokenizer, run, read_questions(args.questions or recorded["questions"]))
+    print("| method | turns | tokens | turns not the target's greedy output | smallest top-two logit gap |\n|---|---|---|---|---|")
+    for method, entry in report.items():
+        print(f"| {method} | {entry['turns']} | {entry['tokens']} | {len(entry['wrong_turns'])} | {entry['min_gap']:.3g} |")
+    wrong = {m: e["wrong_turns"] for m, e in report.items() if e["wrong_turns"]}
+    if wrong:
+        print(json.dumps(wrong, indent=1))
+        raise SystemExit(1)
+    return report
+
+
+if __name__ == "__main__":
+    from inference.cli import run
+
+    run(main, "check_greedy.py")
