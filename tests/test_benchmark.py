@@ -7,19 +7,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
+import check_greedy  # noqa: E402
+
+TWO_QUESTIONS = [
+    {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
+    {"question_id": 2, "category": "copy", "turns": ["red blue green red blue green red blue"]},
+]
+
+
+def write_questions(path: Path, questions: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(q) for q in questions))
+    return path
 
 
 def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_path):
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        "\n".join(
-            json.dumps(q)
-            for q in [
-                {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
-                {"question_id": 2, "category": "copy", "turns": ["red blue green red blue green red blue"]},
-            ]
-        )
-    )
+    questions = write_questions(tmp_path / "questions.jsonl", TWO_QUESTIONS)
     out = tmp_path / "report"
     benchmark.main(
         [
@@ -167,36 +169,10 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
 
 
 def test_check_greedy_accepts_a_recorded_run_and_catches_a_changed_token(tiny_chat, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import check_greedy
-
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        "\n".join(
-            json.dumps(q)
-            for q in [
-                {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
-                {"question_id": 2, "category": "chat", "turns": ["red blue"]},
-            ]
-        )
-    )
+    questions = write_questions(tmp_path / "questions.jsonl", TWO_QUESTIONS)
     out = tmp_path / "report"
-    benchmark.main(
-        [
-            "--model",
-            str(tiny_chat / "model"),
-            "--questions",
-            str(questions),
-            "--methods",
-            "plain",
-            "lookup",
-            "--max-new-tokens",
-            "12",
-            "--no-fallback",
-            "--out",
-            str(out),
-        ]
-    )
+    model = ["--model", str(tiny_chat / "model"), "--questions", str(questions)]
+    benchmark.main(model + "--methods plain lookup --max-new-tokens 12 --no-fallback --out".split() + [str(out)])
     record = out.with_suffix(".json")
     report = check_greedy.main([str(record)])
     assert all(entry["turns"] == 3 and not entry["wrong_turns"] for entry in report.values())
@@ -212,8 +188,6 @@ def test_check_greedy_accepts_a_recorded_run_and_catches_a_changed_token(tiny_ch
 
 
 def test_check_greedy_catches_an_answer_that_stops_early(tiny_chat):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import check_greedy
     from inference import load_target
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
