@@ -1,14 +1,15 @@
 """Is a recorded benchmark run the target's own greedy output? One teacher-forced pass a turn, no baseline rerun.
 
-    python scripts/check_greedy.py docs/results/dev-all-eagle-fp32-fixed16.json
+    python scripts/check_greedy.py docs/results/dev-all-eagle-corpus2800-fp32-epyc.json
 
 For every turn and method of a `scripts/benchmark.py` record (its .json), the prompt is rebuilt as the benchmark
 built it (the question's turns, the first method's earlier answers), the target runs once over prompt + answer,
 and every answer token must be the target's argmax at its position; the answer must stop where greedy stops (at
 the first end-of-sequence token, or after max_new_tokens). That costs one pass a turn, where running HF
 `generate()` beside the method costs one pass a token. Run it in the dtype the record was made in (float32 for
-an exactness claim). A teacher-forced pass rounds a little differently from one-token passes, so the smallest
-gap between the two top logits along the answers is reported too: a mismatch at a gap of ~1e-5 is rounding.
+an exactness claim). A teacher-forced pass rounds a little differently from one-token passes, so each mismatch is
+reported with its logit gap (one of ~1e-5 in float32 would be rounding, not a wrong token), and so is the smallest
+gap between the two top logits along all answers. Exits 1 when any turn fails.
 """
 
 from __future__ import annotations
