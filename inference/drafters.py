@@ -294,14 +294,13 @@ class DynamicTreeDrafter:
             out = run((lengths[:, None] + index).contiguous(), None)  # a single sequence always lands here
             self.lengths, self.last = [n + width for n in self.lengths], out[:, -1]
             return
-        else:
-            real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
-            committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
-            causal = index[:, None] >= index[None, :]
-            allowed = torch.cat([committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2)
-            allowed[:, index, start + index] = True  # a padding entry sees only itself
-            out = run(lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None])
-            self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
+        real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
+        committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
+        causal = index[:, None] >= index[None, :]
+        allowed = torch.cat([committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2)
+        allowed[:, index, start + index] = True  # a padding entry sees only itself
+        out = run(lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None])
+        self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
         newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
         moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
         self.last = newest if self.last is None else torch.where(moved, newest, self.last)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections import deque
 
+JUDGE = 8  # drafted steps timed before drafting is judged (a batch's step counts for each of its rows)
+
 
 class Fallback:
-    def __init__(self, enabled: bool = True, window: int = 16, judge: int = 8, hold: int = 8, max_hold: int = 64):
+    def __init__(self, enabled: bool = True, window: int = 16, judge: int = JUDGE, hold: int = 8, max_hold: int = 64):
         self.enabled, self.judge, self.first_hold, self.max_hold = enabled, judge, hold, max_hold
         self.hold = hold
         self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps

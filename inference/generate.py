@@ -14,7 +14,7 @@ from .batch import decode_batch
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
 from .drafters import OWN_DRAFTERS, TRAINED_HEADS, Drafter, MergedDrafter, NoDrafter, PromptLookupDrafter, TokenDrafter, as_drafter, drafter_name
-from .fallback import Fallback
+from .fallback import JUDGE, Fallback
 from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
 
@@ -276,7 +276,7 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
     # a batch's step tells as much about its drafter as `rows` steps of one sequence: judge it after fewer steps
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(1, Fallback().judge // len(ids)))
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(1, JUDGE // len(ids)))
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain)
     seconds = time.perf_counter() - started
     results = []

@@ -71,8 +71,8 @@ def hf_generate(model, prompt, max_new_tokens, **extra):
     return tokens, time.perf_counter() - started, None, None
 
 
-def build_methods(args, model, tokenizer):
-    """name -> function(prompt) -> (tokens, seconds, target forwards or None, our loop's stats or None)."""
+def load_method_heads(args, model) -> dict:
+    """The heads --methods name, loaded once: kind (eagle, medusa, early-exit) -> head."""
     heads = {}
     if any("eagle" in m for m in args.methods):
         if not args.eagle:
@@ -86,17 +86,47 @@ def build_methods(args, model, tokenizer):
         if not args.early_exit:
             raise SystemExit("the early-exit methods need --early-exit CHECKPOINT_DIR (or an exit layer number: the untrained exit)")
         heads["early-exit"] = load_early_exit(args.early_exit, model)
+    return heads
+
+
+def our_settings(args, heads: dict) -> dict[str, dict]:
+    """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback)."""
     # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
     fixed = args.tree == "fixed"
     grown_tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes) if fixed else None
     medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes) if fixed and "medusa" in heads else None
+
+    def ours(drafter, tree=None, lookup=False):
+        return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
+
+    def default(drafter):  # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
+        return dict(heads=drafter, tree=None, lookup=True, fallback=True)
+
+    table = {
+        "plain": ours(None),
+        "lookup": ours(PromptLookupDrafter()),
+        "eagle": ours(heads.get("eagle"), grown_tree),
+        "eagle+lookup": ours(heads.get("eagle"), grown_tree, lookup=True),  # with --tree calibrated: the default call
+        "medusa": ours(heads.get("medusa"), medusa_tree),
+        "medusa+lookup": ours(heads.get("medusa"), medusa_tree, lookup=True),
+        "eagle-default": default(heads.get("eagle")),
+        "medusa-default": default(heads.get("medusa")),
+        "early-exit": ours(heads.get("early-exit"), grown_tree),
+        "early-exit+lookup": ours(heads.get("early-exit"), grown_tree, lookup=True),
+        "early-exit-default": default(heads.get("early-exit")),
+    }
+    return {name: table[name] for name in args.methods if name in table}
+
+
+def build_methods(args, model, tokenizer):
+    """name -> function(prompt) -> (tokens, seconds, target forwards or None, our loop's stats or None)."""
+    heads = load_method_heads(args, model)
     for head in heads.values():  # measure this machine's pass costs before any timing (cached afterwards)
         calibrated_tree(model, head, verbose=True)
 
-    def ours(drafter, tree=None, lookup=False, **defaults):
+    def ours(settings):
         def run(prompt):
-            settings = defaults or dict(tree=tree, lookup=lookup, fallback=not args.no_fallback)
-            out = generate(model, drafter, prompt, max_new_tokens=args.max_new_tokens, **settings)
+            out = generate(model, prompt_or_input_ids=prompt, max_new_tokens=args.max_new_tokens, **settings)
             return out.token_ids, out.stats.seconds, out.stats.target_forwards, out.stats.as_dict()
 
         return run
@@ -104,18 +134,7 @@ def build_methods(args, model, tokenizer):
     table = {
         "hf": lambda p: hf_generate(model, p, args.max_new_tokens),
         "hf-lookup": lambda p: hf_generate(model, p, args.max_new_tokens, prompt_lookup_num_tokens=10),
-        "plain": ours(None),
-        "lookup": ours(PromptLookupDrafter()),
-        "eagle": ours(heads.get("eagle"), grown_tree),
-        "eagle+lookup": ours(heads.get("eagle"), grown_tree, lookup=True),  # with --tree calibrated: the default call
-        "medusa": ours(heads.get("medusa"), medusa_tree),
-        "medusa+lookup": ours(heads.get("medusa"), medusa_tree, lookup=True),
-        # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
-        "eagle-default": ours(heads.get("eagle"), tree=None, lookup=True, fallback=True),
-        "medusa-default": ours(heads.get("medusa"), tree=None, lookup=True, fallback=True),
-        "early-exit": ours(heads.get("early-exit"), grown_tree),
-        "early-exit+lookup": ours(heads.get("early-exit"), grown_tree, lookup=True),
-        "early-exit-default": ours(heads.get("early-exit"), tree=None, lookup=True, fallback=True),
+        **{name: ours(settings) for name, settings in our_settings(args, heads).items()},
     }
     return {name: table[name] for name in args.methods}
 
@@ -287,19 +306,10 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 def batch_throughput(args, argv) -> None:
     """Total new tokens per second over the first turns, in batches of each size: HF generate() batched beside each
     of --methods through generate(model, heads, [prompts...]), interleaved; rows are compared with HF alone."""
+    if "hf-lookup" in args.methods:
+        raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
-    fixed = None if args.tree == "calibrated" else DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
-    runs = {}  # method -> generate() keywords
-    for method in (m for m in args.methods if m != "hf"):
-        heads = {"plain": None, "lookup": PromptLookupDrafter()}.get(method)
-        if heads is None and method != "plain":
-            kind = method.split("+")[0].removesuffix("-default")
-            heads = load_early_exit(args.early_exit, model) if kind == "early-exit" else load_heads(getattr(args, kind), model)
-        if method.endswith("-default"):  # generate(model, heads, prompts) as it is
-            runs[method] = dict(heads=heads)
-        else:
-            trained = heads is not None and not isinstance(heads, PromptLookupDrafter)  # only a trained head's tree is set here
-            runs[method] = dict(heads=heads, tree=fixed if trained else None, lookup="+lookup" in method, fallback=not args.no_fallback)
+    runs = our_settings(args, load_method_heads(args, model))  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
     batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})
