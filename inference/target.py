@@ -104,9 +104,14 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     del model.config.quantization_config
     model.config._name_or_path = DEFAULT_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(target) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    try:
+        with written_atomically(target) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        # another process converted it at the same time and renamed its copy into place first: use that one
     return target
 
 

@@ -162,3 +162,25 @@ def test_a_damaged_calibration_cache_is_measured_again(model, tmp_path, monkeypa
             cost = calibrate.load_or_measure(model)
         assert cost.relative[0] == 1.0 and len(cost.tokens) == len(calibrate.TOKEN_COUNTS)
         assert json.loads(saved.read_text())["tokens"] == list(calibrate.TOKEN_COUNTS)  # written anew
+
+
+def test_two_processes_converting_the_default_model_at_once_both_get_it(tmp_path, monkeypatch):
+    """The conversion that finishes second cannot rename its copy over the first one's: it uses the first's."""
+    from types import SimpleNamespace
+
+    import inference.target as target_module
+
+    target = tmp_path / "smollm2"
+
+    def save_pretrained(staging):  # meanwhile, another process renames its finished copy into place
+        target.mkdir(exist_ok=True)
+        (target / "config.json").write_text("{}")
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "config.json").write_text("{}")
+
+    fake_model = SimpleNamespace(config=SimpleNamespace(quantization_config=None), save_pretrained=save_pretrained)
+    fake_tokenizer = SimpleNamespace(save_pretrained=lambda staging: None)
+    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: fake_model)
+    monkeypatch.setattr(target_module.AutoTokenizer, "from_pretrained", lambda *a, **k: fake_tokenizer)
+    assert target_module.default_model_dir(target) == target
+    assert not list(tmp_path.glob(".smollm2.tmp*")), "the losing copy is removed"
