@@ -1,10 +1,12 @@
 """Bad input to generate() gets a clear error, raised before any work is done."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import inference.target as target_module
 from conftest import tiny_model
 from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, PromptLookupDrafter, TreeError, generate
@@ -166,10 +168,6 @@ def test_a_damaged_calibration_cache_is_measured_again(model, tmp_path, monkeypa
 
 def test_two_processes_converting_the_default_model_at_once_both_get_it(tmp_path, monkeypatch):
     """The conversion that finishes second cannot rename its copy over the first one's: it uses the first's."""
-    from types import SimpleNamespace
-
-    import inference.target as target_module
-
     target = tmp_path / "smollm2"
 
     def save_pretrained(staging):  # meanwhile, another process renames its finished copy into place
