@@ -86,6 +86,10 @@ class MedusaConfig:
     # each head projects with an lm_head of its own (FasterDecoding's Medusa trains one per head) instead of the
     # target's; for heads read from Medusa's files (heads.formats); training here shares the target's
     own_lm_heads: bool = False
+    # Hydra's sequentially dependent heads: head d also reads head d-1's feature (head 0: the target's) and the
+    # embedding of the token drafted before its own, so a candidate depends on the path above it; trees are
+    # grown a level (one head) at a time. False: Medusa-1, every head from the target's feature alone.
+    sequential: bool = False
     kind: str = "medusa"
 
     def __post_init__(self):
@@ -95,6 +99,8 @@ class MedusaConfig:
         _check_draft_vocab(self)
         if self.own_lm_heads and self.draft_vocab_size is not None:
             raise HeadConfigError("MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must be null")
+        if self.sequential and self.own_lm_heads:
+            raise HeadConfigError("MedusaConfig: own_lm_heads is for heads read from Medusa's files, which have no sequential heads: set one of them false")
         if self.rank_accuracy is not None and (
             len(self.rank_accuracy) != self.num_heads
             or not all(row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy)

@@ -91,6 +91,11 @@ def write_format(
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise HeadConfigError(f"cannot write {fmt} heads to {path}: it exists and is not an empty folder; choose a new output directory")
     check_output_dir(path)
+    if fmt == "medusa" and isinstance(heads, MedusaHeads) and heads.config.sequential:
+        raise HeadConfigError(
+            "these Medusa heads are sequential (each reads the token drafted before it), which Medusa's format cannot hold; "
+            "they load only from this project's own format (heads.load_heads)"
+        )
     if fmt == "medusa" and isinstance(heads, MedusaHeads) and heads.config.draft_vocab_size is not None and not full_vocabulary:
         raise HeadConfigError(
             "these Medusa heads draft from a reduced vocabulary, which Medusa's format cannot hold: pass full_vocabulary=True "

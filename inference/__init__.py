@@ -1,7 +1,18 @@
 """How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
 
 from .accept import Sampling
-from .drafters import Drafter, EagleDrafter, EarlyExitDrafter, MedusaDrafter, MergedDrafter, NoDrafter, OracleDrafter, PromptLookupDrafter, medusa_tree_spec
+from .drafters import (
+    Drafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    MedusaDrafter,
+    MergedDrafter,
+    NoDrafter,
+    OracleDrafter,
+    PromptLookupDrafter,
+    SequentialMedusaDrafter,
+    medusa_tree_spec,
+)
 from .generate import Generation, GenerationStats, generate
 from .target import load_target
 from .tree import DynamicTreeSpec, StaticTree, Tree, TreeError, best_static_paths, chain_paths, static_tree
@@ -19,6 +30,7 @@ __all__ = [
     "OracleDrafter",
     "PromptLookupDrafter",
     "Sampling",
+    "SequentialMedusaDrafter",
     "StaticTree",
     "Tree",
     "TreeError",

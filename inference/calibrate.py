@@ -30,7 +30,7 @@ from .cache import new_cache
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
-TreeHead = EagleHead | EarlyExitHead  # heads whose drafter grows its own trees, a level per head pass
+TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 MEASUREMENT_VERSION = 2  # part of the cache key: calibrations measured the older way (one pass count at a time) are measured again
 BATCH_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens a row: a batch's trees are smaller
@@ -189,6 +189,8 @@ def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> D
     batch = calibration_batch(batch)
     if isinstance(head, (EagleHead, EarlyExitHead)):
         return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), batch=batch, verbose=verbose))
+    if isinstance(head, MedusaHeads) and head.config.sequential:  # grown a level at a time: a level's cost is measured
+        return medusa_tree_spec(head, cost=load_or_measure(model, head, medusa_tree_spec(head), batch=batch, verbose=verbose))
     if isinstance(head, MedusaHeads):
         return medusa_tree_spec(head, cost=load_or_measure(model, batch=batch, verbose=verbose))
     return None
@@ -201,7 +203,7 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", default=None, help="an EAGLE or early-exit head checkpoint, to measure a draft level too")
+    parser.add_argument("--heads", default=None, help="an EAGLE, early-exit or sequential Medusa head checkpoint, to measure a draft level too")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -215,10 +217,15 @@ def main(argv=None) -> None:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype)
     head = load_heads(args.heads, model) if args.heads else None
-    if head is not None and not isinstance(head, (EagleHead, EarlyExitHead)):
-        parser.error(f"{args.heads} holds Medusa heads; calibration measures the draft levels of EAGLE and early-exit heads (omit --heads for pass costs only)")
+    sequential = isinstance(head, MedusaHeads) and head.config.sequential
+    if head is not None and not isinstance(head, (EagleHead, EarlyExitHead)) and not sequential:
+        parser.error(
+            f"{args.heads} holds Medusa-1 heads, which draft in one pass; calibration measures the draft levels of EAGLE, early-exit "
+            "and sequential Medusa heads (omit --heads for pass costs only)"
+        )
     batch = calibration_batch(args.batch)
-    cost = load_or_measure(model, head, DynamicTreeSpec() if head is not None else None, batch=batch, refresh=args.refresh, verbose=True)
+    spec = None if head is None else medusa_tree_spec(head) if sequential else DynamicTreeSpec()
+    cost = load_or_measure(model, head, spec, batch=batch, refresh=args.refresh, verbose=True)
     print(f"{'tokens':>6}  cost (x one-token pass)")
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")

@@ -123,11 +123,16 @@ def _as_static_tree(tree) -> StaticTree:
     raise TreeError(f"expected a static tree (a list of paths such as [(0,), (0, 0), (1,)]), got {tree!r}")
 
 
+SEQUENTIAL_TOP_K = 8  # EAGLE's fixed-tree width (experiments.md, row 26): 15 nodes are best spent 8 wide a level
+
+
 def medusa_tree_spec(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> DynamicTreeSpec:
     """Medusa heads' default tree: each step the `nodes` likeliest paths by the heads' own probabilities, as
     deep or as wide as they are sure (any rank may be kept, so top_k = nodes); with a measured `cost`, only
-    as many of them as pay for their verification on this machine."""
-    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=min(nodes, MAX_TOP_K), nodes=nodes, cost=cost)
+    as many of them as pay for their verification on this machine. Sequential heads grow it a level at a
+    time, EAGLE-2's way, expanding the likeliest `SEQUENTIAL_TOP_K` nodes of each level."""
+    top_k = SEQUENTIAL_TOP_K if heads.config.sequential else nodes
+    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=min(top_k, nodes, MAX_TOP_K), nodes=nodes, cost=cost)
 
 
 class MedusaDrafter:
@@ -388,6 +393,43 @@ class DraftNodes:
         return own.gather(2, among[:, None, :].expand(-1, nodes.shape[1], -1))
 
 
+class SequentialMedusaDrafter(DynamicTreeDrafter):
+    """EAGLE-2 dynamic trees from sequential (Hydra-style) Medusa heads: head d reads head d-1's feature and its
+    node's token, so growing a level is one pass of one head over the frontier. The heads keep no cache: a row's
+    state is the target's hidden state that produced its root, and `self.last`, head 0's feature from it and the
+    root, gives the depth-1 candidates."""
+
+    hidden_layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads, model, tree: DynamicTreeSpec | None = None):
+        _check_head_fits(heads, model, "these Medusa heads")
+        tree = medusa_tree_spec(heads) if tree is None else tree
+        if isinstance(tree, DynamicTreeSpec) and tree.depth > heads.config.num_heads:
+            raise TreeError(f"the tree is {tree.depth} deep, which needs {tree.depth} sequential Medusa heads; the checkpoint has {heads.config.num_heads}")
+        super().__init__(DraftVocabulary(model.get_output_embeddings(), heads.draft_ids), tree, "sequential Medusa")
+        self.heads, self.embed = heads, model.get_input_embeddings()
+        self.reset()
+
+    def reset(self, rows: int = 1) -> None:
+        super().reset(rows)
+        self.hidden = None  # [rows, H]
+
+    def observe_rows(self, hidden, next_tokens) -> None:
+        super().observe_rows(hidden, next_tokens)
+        self.hidden = torch.stack([row[-1][-1] for row in hidden])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        super().keep_rows(rows)
+        self.hidden = None if self.hidden is None else self.hidden[rows]
+
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+        self.last = self.heads.step(0, self.hidden, self.embed(torch.stack([text[-1] for text in texts])))
+
+    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        depth = int(nodes.depth[frontier[0, 0]])  # a frontier is one level of every row's tree
+        return self.heads.step(depth, states, self.embed(nodes.tokens.gather(1, frontier)))
+
+
 class EagleDrafter(DynamicTreeDrafter):
     """EAGLE-2 dynamic trees from an EAGLE head that keeps its own KV cache.
 
@@ -616,7 +658,7 @@ class OracleDrafter(TokenDrafter):
 
 
 TRAINED_HEADS = (MedusaHeads, EagleHead, EarlyExitHead)  # what heads.load_heads returns
-OWN_DRAFTERS = (NoDrafter, MedusaDrafter, EagleDrafter, EarlyExitDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
+OWN_DRAFTERS = (NoDrafter, MedusaDrafter, SequentialMedusaDrafter, EagleDrafter, EarlyExitDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
 
 
 def drafter_name(drafter) -> str:
@@ -634,7 +676,7 @@ def as_drafter(heads, model, tree=None) -> Drafter:
             raise TreeError("a tree was given but no heads or drafter to fill it")
         return NoDrafter()
     if isinstance(heads, MedusaHeads):
-        return MedusaDrafter(heads, model, tree)
+        return SequentialMedusaDrafter(heads, model, tree) if heads.config.sequential else MedusaDrafter(heads, model, tree)
     if isinstance(heads, EagleHead):
         return EagleDrafter(heads, model, tree)
     if isinstance(heads, EarlyExitHead):

@@ -6,7 +6,7 @@ import json
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, calibrate, generate
 from inference.tree import PassCost
 
@@ -39,6 +39,16 @@ def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
     steps = narrow.stats.target_forwards - 1  # the prefill is not a decode step
     assert narrow.stats.tree_nodes == steps  # nothing but the root was ever verified
     assert wide.stats.tree_nodes > 6 * (wide.stats.target_forwards - 1)  # free verification: (nearly) every draft kept
+
+
+def test_sequential_medusa_heads_are_calibrated_with_their_draft_level():
+    """They grow trees a level (a head pass) at a time, as EAGLE does: the default call prices a level."""
+    model = tiny_model("llama")
+    heads = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, sequential=True)).eval()
+    spec = calibrate.calibrated_tree(model, heads)
+    assert spec.depth == 3 and spec.cost.draft_level > 0
+    prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(4))
+    assert generate(model, heads, prompt, max_new_tokens=24).token_ids == hf_greedy(model, prompt, 24)
 
 
 def test_pass_costs_are_measured_in_rounds_and_never_fall_with_more_tokens():

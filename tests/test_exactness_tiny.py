@@ -32,15 +32,18 @@ def random_prompts(vocab, count, seed):
 def random_heads(model):
     torch.manual_seed(1)
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4))
-    for p in medusa.parameters():
+    # sequential (Hydra-style) heads over a reduced draft vocabulary: the path's tokens feed the next head
+    sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4, num_layers=2, sequential=True, draft_vocab_size=48))
+    for p in [*medusa.parameters(), *sequential.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: candidates should vary
+    sequential.draft_ids = torch.randperm(model.config.vocab_size)[:48].sort().values
     eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
     # EAGLE-3 fusion with a reduced draft vocabulary: draft indices must map back to the target's ids
     eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, 2, -1], draft_vocab_size=48)).eval()
     eagle3.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:48].sort().values)
     # a copy input (what prompt lookup would copy) beside a low layer, as the shipped head
     eagle_copy = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
-    return medusa.eval(), eagle, eagle3, eagle_copy
+    return medusa.eval(), sequential.eval(), eagle, eagle3, eagle_copy
 
 
 @pytest.fixture(scope="module", params=[("llama", "sdpa", 11), ("qwen2", "eager", 12)], ids=["llama-sdpa", "qwen2-eager"])
@@ -53,7 +56,7 @@ def case(request):
 
 
 def drafters_for(model, prompt, reference):
-    medusa, eagle, eagle3, eagle_copy = random_heads(model)
+    medusa, sequential, eagle, eagle3, eagle_copy = random_heads(model)
     full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
     vocab = model.config.vocab_size
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
@@ -63,6 +66,8 @@ def drafters_for(model, prompt, reference):
         "medusa-dynamic": (medusa, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         # sized_static_paths' answer on a machine where nothing pays
         "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),
+        "medusa-sequential": (sequential, medusa_tree_spec(sequential, nodes=10)),
+        "medusa-sequential-sized": (sequential, medusa_tree_spec(sequential, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0), 0.05))),
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
         "eagle-copy-dynamic": (eagle_copy, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, load_heads
+from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, MedusaHeads, load_heads
 from inference import DynamicTreeSpec, generate, load_target
 from training.train_heads import main as train
 
@@ -199,6 +199,21 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     assert len(accuracy) == 3 and all(len(row) == 4 for row in accuracy)
     assert accuracy == [[round(result["history"][-1].get(f"eval/{m}/depth{d}", 0.0), 4) for m in ("top1", "rank2", "rank3", "rank4")] for d in (2, 3, 4)]
     assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
+
+
+def test_sequential_medusa_heads_train_and_draft_better(tiny_chat, tmp_path):
+    extra = {"head.kind": "medusa", "head.sequential": "true", "head.num_heads": 4, "head.num_layers": 2, "medusa_soft_labels": "true"}
+    result = train(recipe(tiny_chat, tmp_path / "sequential", **extra))
+    first, last = result["history"][0], result["history"][-1]
+    assert last["eval/loss"] < first["eval/loss"]
+    assert {"eval/top1/depth2", "eval/top1/depth5"} <= set(last)
+    model, tokenizer = load_target(tiny_chat / "model")
+    trained = load_heads(tmp_path / "sequential", model)
+    assert trained.config.sequential and trained.config.num_heads == 4
+    untrained = MedusaHeads(replace(trained.config, rank_accuracy=None)).eval()
+    held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
+    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
 
 
 def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():

@@ -41,14 +41,23 @@ def medusa_loss(
     decay: float,
     max_tokens: int,
     soft_labels: bool = False,
+    embed=None,
+    num_heads: int | None = None,
 ):
     """Head k at position t predicts the token at t + k + 2 (the one after next, then further).
 
     With `soft_labels`, against the target's whole distribution for that token (its last hidden state one
     position earlier, through the draft vocabulary) rather than the token alone: the runners-up it teaches
-    are what a tree's other ranks draft, and the heads' probabilities are what a dynamic tree ranks by."""
+    are what a tree's other ranks draft, and the heads' probabilities are what a dynamic tree ranks by.
+    Sequential heads (`embed`, the target's input embeddings, and their `num_heads`) also read the text's tokens
+    t + 1 .. t + k + 1, as drafting reads a path's tokens; past the end of a row they read its last token (no
+    label there)."""
     where = sample_positions(loss_mask[:, 2:].bool(), max_tokens)  # positions head 0 has a label for
-    features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
+    if embed is None:
+        features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
+    else:
+        after = (where[:, 1:] + 1 + torch.arange(num_heads, device=where.device)).clamp(max=input_ids.shape[1] - 1)  # [N, K]
+        features = heads(hidden[where[:, 0], where[:, 1]], embed(input_ids[where[:, :1], after]).to(hidden.dtype))
     total, metrics = features.sum() * 0.0, {}
     for k in range(features.shape[1]):
         label_at = where[:, 1] + k + 2

@@ -134,7 +134,19 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
     if cfg.head["kind"] == "early_exit":
         return early_exit_loss(heads, vocab, features[-1], batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
     if cfg.head["kind"] == "medusa":
-        return medusa_loss(heads, vocab, features[-1], batch["input_ids"], batch["loss_mask"], cfg.medusa_decay, cfg.loss_tokens, cfg.medusa_soft_labels)
+        sequential = head.config.sequential  # the heads read the text's tokens, through the target's embeddings
+        return medusa_loss(
+            heads,
+            vocab,
+            features[-1],
+            batch["input_ids"],
+            batch["loss_mask"],
+            cfg.medusa_decay,
+            cfg.loss_tokens,
+            cfg.medusa_soft_labels,
+            embed=target.get_input_embeddings() if sequential else None,
+            num_heads=head.config.num_heads,
+        )
     return eagle_loss(
         heads,
         layers,

@@ -1,0 +1,86 @@
+"""Sequential (Hydra-style) Medusa heads: training feeds each head the tokens drafting feeds it, the drafter grows
+the heads' own chain, the checkpoint round-trips, and what they cannot do is a clear error. Their greedy output
+is checked against HF in test_exactness_tiny.py, their training in test_training.py."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from heads import DraftVocabulary, HeadConfigError, MedusaConfig, MedusaHeads, load_heads, save_heads
+from heads.formats import write_format
+from inference import DynamicTreeSpec, SequentialMedusaDrafter, TreeError, medusa_tree_spec
+from training.losses import medusa_loss
+
+HIDDEN, VOCAB, HEADS = 8, 50, 3
+
+
+def random_sequential_heads(hidden=HIDDEN, vocab=VOCAB, heads=HEADS, **extra):
+    torch.manual_seed(0)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=2, sequential=True, **extra))
+    for p in medusa.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return medusa.eval()
+
+
+class Recording(MedusaHeads):
+    def forward(self, hidden, token_embeddings=None):
+        self.seen = (hidden, token_embeddings)
+        return super().forward(hidden, token_embeddings)
+
+
+def test_the_loss_feeds_each_position_the_text_tokens_after_it():
+    """Head k at position t reads tokens t + 1 .. t + k + 1, as the drafter reads a path from the root."""
+    length = 20
+    heads = Recording(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=HEADS, sequential=True))
+    hidden = torch.arange(length, dtype=torch.float32)[None, :, None].expand(1, length, HIDDEN).contiguous()  # position t holds t
+    embed = torch.nn.Embedding(VOCAB, HIDDEN)
+    embed.weight.data = torch.arange(VOCAB, dtype=torch.float32)[:, None].expand(VOCAB, HIDDEN).contiguous()  # token i embeds as i
+    input_ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
+    lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    medusa_loss(heads, DraftVocabulary(lm_head), hidden, input_ids, torch.ones(1, length), 0.8, 64, embed=embed, num_heads=HEADS)
+    positions, tokens = heads.seen[0][:, 0].long(), heads.seen[1][..., 0].long()
+    assert len(positions) == length - 2  # every position with a label for head 0
+    for t, read in zip(positions.tolist(), tokens.tolist()):
+        expected = input_ids[0, t + 1 : t + 1 + HEADS].tolist()
+        expected += [int(input_ids[0, -1])] * (HEADS - len(expected))  # past the end: the last token (no label there)
+        assert read == expected, t
+
+
+def test_a_chain_is_the_heads_own_greedy_path():
+    model = tiny_model(vocab_size=VOCAB)
+    heads = random_sequential_heads(hidden=model.config.hidden_size)
+    drafter = SequentialMedusaDrafter(heads, model, DynamicTreeSpec(depth=HEADS, top_k=1, nodes=HEADS))
+    text = torch.tensor([5, 9, 11, 7])
+    hidden = torch.randn(len(text), model.config.hidden_size)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    feature, token, chain = hidden[-1], text[-1], [int(text[-1])]
+    with torch.no_grad():
+        drafter.observe({-1: hidden}, text[1:])
+        tree = drafter.propose(text, max_depth=HEADS)
+        for depth in range(HEADS):
+            feature = heads.step(depth, feature, embed(token))
+            token = lm_head(feature).argmax()
+            chain.append(int(token))
+    assert tree.tokens.tolist() == chain
+
+
+def test_heads_round_trip_and_refuse_what_they_cannot_do(tmp_path):
+    model = tiny_model(vocab_size=VOCAB)
+    heads = random_sequential_heads(hidden=model.config.hidden_size)
+    save_heads(heads, tmp_path / "heads", model, dtype=torch.float32)
+    loaded = load_heads(tmp_path / "heads", model)
+    assert loaded.config.sequential and loaded.readers is not None
+    for name, tensor in heads.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    spec = medusa_tree_spec(loaded)
+    assert isinstance(spec, DynamicTreeSpec) and spec.depth == HEADS and spec.top_k == 8
+    with pytest.raises(TreeError, match="needs 4 sequential Medusa heads; the checkpoint has 3"):
+        SequentialMedusaDrafter(loaded, model, DynamicTreeSpec(depth=4, top_k=2, nodes=6))
+    with pytest.raises(TreeError, match="grows dynamic trees"):
+        SequentialMedusaDrafter(loaded, model, [(0,), (0, 0)])
+    with pytest.raises(HeadConfigError, match="sequential"):
+        write_format(loaded, tmp_path / "medusa-format", "medusa", model)
+    with pytest.raises(HeadConfigError, match="own_lm_heads"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, own_lm_heads=True)
+    with pytest.raises(ValueError, match="embeddings of 1 to 3 tokens"):
+        loaded(torch.randn(2, model.config.hidden_size))
