@@ -263,7 +263,7 @@ def chart(summary, methods, path):
 
 def pick(questions, per_category, limit, shard=None):
     """The questions a run answers: the first `per_category` of each category, the first `limit`, then every
-    N-th from the K-th for --shard K/N (a long run split across processes; scripts/scaling_curve.py merges them)."""
+    N-th from the K-th for --shard K/N (a long run split across processes; --merge puts them together)."""
     if per_category:
         count = defaultdict(int)
         chosen = []
@@ -277,6 +277,55 @@ def pick(questions, per_category, limit, shard=None):
         index, count = shard
         questions = questions[index::count]
     return questions
+
+
+def merge_shards(paths: list[str], out: str | None) -> None:
+    """One result from the shards of one run (each --shard K/N with its own --out): their turns summarised together,
+    with every shard's command in the header. Shards run with other settings, or a shard missing, are refused."""
+    if not out:
+        raise SystemExit("--merge writes one result: give it --out OUT")
+    results = []
+    for path in paths:
+        try:
+            results.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--merge: cannot read {path} ({error}); pass the .json files that benchmark.py --shard K/N --out wrote") from None
+
+    def setting(result):  # what must agree between shards of one run
+        return {k: v for k, v in result["args"].items() if k not in ("shard", "out", "merge")}
+
+    for path, result in zip(paths[1:], results[1:]):
+        different = sorted(k for k in setting(results[0]).keys() | setting(result).keys() if setting(results[0]).get(k) != setting(result).get(k))
+        if different:
+            raise SystemExit(f"--merge: {path} was run with other settings than {paths[0]} ({', '.join(different)}): only the shards of one run merge")
+    shards = sorted(tuple(r["args"]["shard"]) if r["args"].get("shard") else (0, 1) for r in results)
+    count = shards[0][1]
+    if shards != [(k, count) for k in range(count)]:
+        raise SystemExit(f"--merge needs every shard of one run once (0/{count} .. {count - 1}/{count}), got {', '.join(f'{k}/{n}' for k, n in shards)}")
+    methods = results[0]["args"]["methods"]
+    records = [record for result in results for record in result["records"]]
+    summary = summarise(records, methods)
+    lines = [result.get("header", "").split("  \n") for result in results]  # Command, Machine, what was run
+    commands = [shard[0] or f"Command: not recorded in {path}" for shard, path in zip(lines, paths)]
+    machine = lines[0][1] if len(lines[0]) > 1 else "Machine: not recorded."
+    settings = lines[0][2].split(" turns, ", 1)[-1] if len(lines[0]) > 2 else ""
+    merged = f"Merged from {count} shards by `python scripts/benchmark.py --merge {' '.join(paths)} --out {out}`, each:"
+    header = "  \n".join([merged, *commands, machine, f"{len(records)} turns, {settings}"])
+    write_result(out, {"args": results[0]["args"], "header": header, "summary": summary, "records": records}, methods, header)
+
+
+def write_result(out: str | None, result: dict, methods: list[str], header: str) -> None:
+    """Print the tables; with `out`, write OUT.json (everything), OUT.md (the tables) and OUT.png (the chart)."""
+    summary = result["summary"]
+    table = markdown(summary, methods, header) + divergence_note(summary["overall"], methods) + monitoring(result["records"], methods)
+    print("\n" + table)
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(table)
+        chart(summary, methods, out.with_suffix(".png"))
+        print(f"wrote {out.with_suffix('.json')}, .md and .png")
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -377,7 +426,10 @@ def main(argv=None):
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours"
     )
+    parser.add_argument("--merge", nargs="+", metavar="SHARD.json", help="instead of a run: merge the results of one run's shards (--shard K/N) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_shards(args.merge, args.out)
     if args.batch_sizes:
         return batch_throughput(args, argv)
     if "hf" in args.methods and args.methods[0] != "hf":
@@ -417,15 +469,7 @@ def main(argv=None):
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
         f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
     )
-    table = markdown(summary, args.methods, header) + divergence_note(summary["overall"], args.methods) + monitoring(records, args.methods)
-    print("\n" + table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "summary": summary, "records": records}, indent=1))
-        out.with_suffix(".md").write_text(table)
-        chart(summary, args.methods, out.with_suffix(".png"))
-        print(f"wrote {out.with_suffix('.json')}, .md and .png")
+    write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods, header)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,20 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
     assert merged["tau"] == pytest.approx(whole["tau"]) and merged["categories"] == pytest.approx(whole["categories"])
     with pytest.raises(SystemExit, match="twice"):
         scaling_curve.point(parts + parts[:1])
+
+    benchmark.main(["--merge", *map(str, parts), "--out", str(tmp_path / "merged")])  # one result file from the shards
+    merged_run, whole_run = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("merged", "whole"))
+    assert {r["question_id"] for r in merged_run["records"]} == {0, 1, 2, 3}
+    for category in ("chat", "code", "overall"):
+        assert merged_run["summary"][category]["eagle"]["tau"] == pytest.approx(whole_run["summary"][category]["eagle"]["tau"])
+    assert (tmp_path / "merged.md").read_text().count("Command: `python scripts/benchmark.py") == 3 and (tmp_path / "merged.png").is_file()
+    with pytest.raises(SystemExit, match=r"every shard of one run once \(0/3 .. 2/3\), got 0/3, 1/3"):
+        benchmark.main(["--merge", *map(str, parts[:2]), "--out", str(tmp_path / "refused")])
+    other = json.loads(parts[2].read_text())
+    other["args"]["max_new_tokens"] = 9
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="other settings .*max_new_tokens"):
+        benchmark.main(["--merge", *map(str, parts[:2]), str(tmp_path / "other.json"), "--out", str(tmp_path / "refused")])
     with pytest.raises(SystemExit):
         benchmark.main(common + ["--shard", "3/3"])
     assert "--shard K/N needs 0 <= K < N, got '3/3'" in capsys.readouterr().err
