@@ -59,7 +59,8 @@ def test_keep_paths_moves_each_rows_path_to_its_own_end():
 def heads_for(model):
     torch.manual_seed(1)
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3))
-    for p in medusa.parameters():
+    sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, num_layers=2, sequential=True))
+    for p in [*medusa.parameters(), *sequential.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: drafts should vary
     eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
     eagle3 = EagleHead(EagleConfig.for_target(model.config, architecture="eagle3", feature_layers=[0, 1], draft_vocab_size=48)).eval()
@@ -69,6 +70,7 @@ def heads_for(model):
         "plain": (None, None),
         "lookup": (PromptLookupDrafter(max_ngram=2), None),
         "medusa": (medusa.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
+        "medusa-sequential": (sequential.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
         "eagle-copy": (eagle, tree),
         "eagle3-layout": (eagle3, tree),
         "early-exit": (exit_head, tree),
@@ -154,7 +156,7 @@ def test_prefill_groups_keep_padding_small():
     assert sorted(row for group in prefill_groups([7, 300, 9, 120, 118, 5]) for row in group) == list(range(6))
 
 
-@pytest.mark.parametrize("kind", ["eagle-copy", "early-exit", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle-copy", "early-exit", "medusa", "medusa-sequential"])
 def test_a_batch_drafts_what_each_row_drafts_alone(kind):
     """The batched drafter (one ragged draft cache, one head pass a level for all rows) against one drafter per
     row: the same head state for every row and the same trees, after rows of different lengths observed different
