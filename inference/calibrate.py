@@ -181,16 +181,25 @@ def calibration_batch(rows: int) -> int:
     return min(1 << (max(rows, 1).bit_length() - 1), 64)
 
 
+def grown_tree_spec(head) -> DynamicTreeSpec | None:
+    """The default tree of a head whose drafter grows it a level (a head pass) at a time, so that a level's cost is
+    measured too: EAGLE, early exit, sequential Medusa. None for any other head (Medusa-1 drafts in one pass)."""
+    if isinstance(head, (EagleHead, EarlyExitHead)):
+        return DynamicTreeSpec()
+    if isinstance(head, MedusaHeads) and head.config.sequential:
+        return medusa_tree_spec(head)
+    return None
+
+
 def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> DynamicTreeSpec | None:
     """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs, for
     `batch` sequences decoded together."""
     candidates = heads if isinstance(heads, (list, tuple)) else [heads]
     head = next((h for h in candidates if isinstance(h, (EagleHead, EarlyExitHead, MedusaHeads))), None)
     batch = calibration_batch(batch)
-    if isinstance(head, (EagleHead, EarlyExitHead)):
-        return replace(DynamicTreeSpec(), cost=load_or_measure(model, head, DynamicTreeSpec(), batch=batch, verbose=verbose))
-    if isinstance(head, MedusaHeads) and head.config.sequential:  # grown a level at a time: a level's cost is measured
-        return medusa_tree_spec(head, cost=load_or_measure(model, head, medusa_tree_spec(head), batch=batch, verbose=verbose))
+    spec = grown_tree_spec(head)
+    if spec is not None:
+        return replace(spec, cost=load_or_measure(model, head, spec, batch=batch, verbose=verbose))
     if isinstance(head, MedusaHeads):
         return medusa_tree_spec(head, cost=load_or_measure(model, batch=batch, verbose=verbose))
     return None
@@ -217,14 +226,13 @@ def main(argv=None) -> None:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype)
     head = load_heads(args.heads, model) if args.heads else None
-    sequential = isinstance(head, MedusaHeads) and head.config.sequential
-    if head is not None and not isinstance(head, (EagleHead, EarlyExitHead)) and not sequential:
+    spec = grown_tree_spec(head)
+    if head is not None and spec is None:
         parser.error(
             f"{args.heads} holds Medusa-1 heads, which draft in one pass; calibration measures the draft levels of EAGLE, early-exit "
             "and sequential Medusa heads (omit --heads for pass costs only)"
         )
     batch = calibration_batch(args.batch)
-    spec = None if head is None else medusa_tree_spec(head) if sequential else DynamicTreeSpec()
     cost = load_or_measure(model, head, spec, batch=batch, refresh=args.refresh, verbose=True)
     print(f"{'tokens':>6}  cost (x one-token pass)")
     for k, c in zip(cost.tokens, cost.relative):

@@ -223,7 +223,7 @@ class DynamicTreeDrafter:
     [0, lengths[b]), entries past that are stale and masked off. Draft entries are dropped after every proposal.
 
     A subclass reads the committed texts into its cache (`_read_committed`, through `_append`, which leaves
-    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`: their
+    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`, the frontier `depth` levels deep: their
     outputs [rows, F, H]); outputs become draft logits through `self.vocab`.
     """
 
@@ -282,7 +282,7 @@ class DynamicTreeDrafter:
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _append(self, counts: list[int], run) -> None:
@@ -332,7 +332,7 @@ class DynamicTreeDrafter:
             # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
             allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
             positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
-            out = self._expand(nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions)
+            out = self._expand(level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions)
             children = nodes.add_children(frontier, self._log_probs(out), k)
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices  # EAGLE-2: expand the likeliest
             frontier, states = children.gather(1, best), out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
@@ -425,8 +425,7 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         self.last = self.heads.step(0, self.hidden, self.embed(torch.stack([text[-1] for text in texts])))
 
-    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        depth = int(nodes.depth[frontier[0, 0]])  # a frontier is one level of every row's tree
+    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.heads.step(depth, states, self.embed(nodes.tokens.gather(1, frontier)))
 
 
@@ -489,7 +488,7 @@ class EagleDrafter(DynamicTreeDrafter):
             lambda positions, mask: self.head(features, self.embed(next_tokens), copy_embeds, position_ids=positions, attention_mask=mask, cache=self.cache),
         )
 
-    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         copies = None
         if self.tails is not None:  # one transfer of the trees so far, then the paths are walked on the host
             node_tokens, parents = nodes.tokens[:, : nodes.count].tolist(), nodes.parents[:, : nodes.count].tolist()
@@ -540,7 +539,7 @@ class EarlyExitDrafter(DynamicTreeDrafter):
             new[row, : text.shape[0] - length] = text[length:]
         self._append(counts, lambda positions, mask: self.head(new, position_ids=positions, attention_mask=mask, cache=self.cache))
 
-    def _expand(self, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.head(nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache)
 
 

@@ -294,8 +294,10 @@ def merge_shards(paths: list[str], out: str | None) -> None:
     def setting(result):  # what must agree between shards of one run
         return {k: v for k, v in result["args"].items() if k not in ("shard", "out", "merge")}
 
+    first = setting(results[0])
     for path, result in zip(paths[1:], results[1:]):
-        different = sorted(k for k in setting(results[0]).keys() | setting(result).keys() if setting(results[0]).get(k) != setting(result).get(k))
+        other = setting(result)
+        different = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
         if different:
             raise SystemExit(f"--merge: {path} was run with other settings than {paths[0]} ({', '.join(different)}): only the shards of one run merge")
     shards = sorted(tuple(r["args"]["shard"]) if r["args"].get("shard") else (0, 1) for r in results)
@@ -311,13 +313,13 @@ def merge_shards(paths: list[str], out: str | None) -> None:
     settings = lines[0][2].split(" turns, ", 1)[-1] if len(lines[0]) > 2 else ""
     merged = f"Merged from {count} shards by `python scripts/benchmark.py --merge {' '.join(paths)} --out {out}`, each:"
     header = "  \n".join([merged, *commands, machine, f"{len(records)} turns, {settings}"])
-    write_result(out, {"args": results[0]["args"], "header": header, "summary": summary, "records": records}, methods, header)
+    write_result(out, {"args": results[0]["args"], "header": header, "summary": summary, "records": records}, methods)
 
 
-def write_result(out: str | None, result: dict, methods: list[str], header: str) -> None:
+def write_result(out: str | None, result: dict, methods: list[str]) -> None:
     """Print the tables; with `out`, write OUT.json (everything), OUT.md (the tables) and OUT.png (the chart)."""
     summary = result["summary"]
-    table = markdown(summary, methods, header) + divergence_note(summary["overall"], methods) + monitoring(result["records"], methods)
+    table = markdown(summary, methods, result["header"]) + divergence_note(summary["overall"], methods) + monitoring(result["records"], methods)
     print("\n" + table)
     if out:
         out = Path(out)
@@ -469,7 +471,7 @@ def main(argv=None):
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
         f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
     )
-    write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods, header)
+    write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods)
 
 
 if __name__ == "__main__":
