@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -93,8 +94,13 @@ def our_settings(args, heads: dict) -> dict[str, dict]:
     """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback)."""
     # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
     fixed = args.tree == "fixed"
-    grown_tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes) if fixed else None
-    medusa_tree = medusa_tree_spec(heads["medusa"], nodes=args.nodes) if fixed and "medusa" in heads else None
+    grown_tree = DynamicTreeSpec(depth=args.depth or 5, top_k=args.top_k or 4, nodes=args.nodes) if fixed else None
+    medusa_tree = None
+    if fixed and "medusa" in heads:  # the heads' own tree shape unless --depth / --top-k say otherwise
+        own = medusa_tree_spec(heads["medusa"], nodes=args.nodes)
+        if args.depth is not None and args.depth > own.depth:
+            raise SystemExit(f"--depth {args.depth}: the Medusa heads draft at most {own.depth} tokens ahead (one head a token)")
+        medusa_tree = replace(own, depth=args.depth or own.depth, top_k=args.top_k or own.top_k)
 
     def ours(drafter, tree=None, lookup=False):
         return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
@@ -408,8 +414,8 @@ def main(argv=None):
     parser.add_argument("--eagle", help="EAGLE head checkpoint directory")
     parser.add_argument("--medusa", help="Medusa heads checkpoint directory")
     parser.add_argument("--early-exit", help="early-exit head checkpoint directory, or an exit layer number (the untrained exit)")
-    parser.add_argument("--depth", type=int, default=5)
-    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=None, help="fixed trees' depth (default: EAGLE and early exit 5, Medusa its head count)")
+    parser.add_argument("--top-k", type=int, default=None, help="fixed trees' width a level (default: EAGLE and early exit 4, Medusa its own)")
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
     parser.add_argument(
         "--tree",

@@ -1,3 +1,4 @@
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -8,6 +9,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
 import check_greedy  # noqa: E402
+import heldout_questions  # noqa: E402
+from heads import MedusaConfig, MedusaHeads  # noqa: E402
+from training.corpus import write_shard  # noqa: E402
 
 TWO_QUESTIONS = [
     {"question_id": 1, "category": "chat", "turns": ["the cat runs", "the dog jumps"]},
@@ -211,3 +215,40 @@ def test_check_greedy_catches_an_answer_that_stops_early(tiny_chat):
     assert check_greedy.check_answer(model, prompt, greedy, eos, 8)["stops_right"] == (len(greedy) == 8 or greedy[-1] in eos)
     shortened = check_greedy.check_answer(model, prompt, greedy[:5], eos, 8)
     assert not shortened["mismatches"] and not shortened["stops_right"]
+
+
+def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
+    prompts = [{"id": i, "source": "maths" if i % 2 else "chat", "prompt": f"question {i}"} for i in range(6)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+
+    def record(i, turn, follow_up=None):
+        return {"id": i, "source": prompts[i]["source"], "turn": turn, "follow_up": follow_up, "prompt_ids": [1], "answer_ids": [2]}
+
+    # corpus order, not id order; a second turn is part of its conversation, not a conversation of its own
+    write_shard(corpus / "shard-00000.jsonl.gz", [record(3, 1, "and then?"), record(3, 2, "and then?"), record(0, 1), record(5, 1)])
+    questions = heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 2)
+    assert questions == [
+        {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
+        {"question_id": 0, "category": "chat", "turns": ["question 0"]},
+    ]
+    (tmp_path / "other.jsonl").write_text(json.dumps(prompts[0]) + "\n")
+    with pytest.raises(SystemExit, match="distilled from another prompt file"):
+        heldout_questions.heldout_questions(tmp_path / "other.jsonl", corpus, 2)
+
+
+def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
+    heads = {"medusa": MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=50, num_heads=3, sequential=True))}
+
+    def tree(**given):
+        settings = dict(tree="fixed", depth=None, top_k=None, nodes=15, no_fallback=True, methods=["medusa"])
+        args = argparse.Namespace(**{**settings, **given})
+        return benchmark.our_settings(args, heads)["medusa"]["tree"]
+
+    own = tree()
+    assert (own.depth, own.top_k, own.nodes) == (3, 8, 15)
+    assert (tree(top_k=4).depth, tree(top_k=4).top_k) == (3, 4)
+    assert tree(depth=2).depth == 2
+    with pytest.raises(SystemExit, match="at most 3 tokens ahead"):
+        tree(depth=4)

@@ -176,7 +176,7 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     train, evaluation, answered = [], [], set()
     if data.corpus:
         records = corpus_records(data.corpus, target)
-        held_out = {r["id"] for r in [r for r in records if r["turn"] == 1][: data.eval_prompts]}
+        held_out = held_out_ids(records, data.eval_prompts)
         answered = {r["id"] for r in records}
         used = [r for r in records if r["id"] not in held_out]
         if data.corpus_answers is not None:
@@ -206,6 +206,12 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
             train_set.save_to_disk(str(staging / "train"))
             eval_set.save_to_disk(str(staging / "eval"))
     return train_set, eval_set
+
+
+def held_out_ids(records: list[dict], count: int) -> set:
+    """The prompts a corpus recipe keeps out of training (both turns): its first `count` conversations, which
+    the corpus balances across sources. Tree shapes are chosen on these, not on the dev set."""
+    return {r["id"] for r in [r for r in records if r["turn"] == 1][:count]}
 
 
 def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> tuple[list[dict], list[dict]]:

@@ -1,0 +1,62 @@
+"""The prompts a training recipe held out, as benchmark questions: choose a tree shape on them, not on the dev set.
+
+    python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-medusa-sequential.yaml --out /tmp/heldout.jsonl
+    python scripts/benchmark.py --questions /tmp/heldout.jsonl --methods medusa --medusa checkpoints/... --top-k 4 ...
+
+A corpus recipe (`data.corpus`) trains on none of its first `data.eval_prompts` conversations (its held-out
+top-1 is measured on them); the corpus interleaves prompt sources, so they are balanced. This writes them in
+Spec-Bench's question format, the category being the prompt's source, the turns its prompt and follow-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.config import load_config  # noqa: E402
+from training.corpus import read_corpus  # noqa: E402
+from training.data import held_out_ids  # noqa: E402
+
+
+def heldout_questions(prompts_path: str | Path, corpus: str | Path, count: int) -> list[dict]:
+    """Spec-Bench questions of the corpus's first `count` conversations, in corpus order."""
+    firsts = [r for r in read_corpus(corpus) if r["turn"] == 1]
+    if not firsts:
+        raise SystemExit(f"{corpus} holds no answers: nothing was held out")
+    held_out = held_out_ids(firsts, count)
+    prompts = {}
+    with open(prompts_path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                item = json.loads(line)
+                if item["id"] in held_out:
+                    prompts[item["id"]] = item
+    questions = []
+    for record in firsts:
+        if record["id"] not in held_out:
+            continue
+        if record["id"] not in prompts:
+            raise SystemExit(f"prompt {record['id']} of {corpus} is not in {prompts_path}: the corpus was distilled from another prompt file")
+        turns = [prompts[record["id"]]["prompt"]] + ([record["follow_up"]] if record["follow_up"] else [])
+        questions.append({"question_id": record["id"], "category": record["source"], "turns": turns})
+    return questions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a training recipe with data.corpus")
+    parser.add_argument("--out", required=True, help="the questions file to write (.jsonl)")
+    args = parser.parse_args()
+    data = load_config(args.config).data
+    if not data.corpus:
+        raise SystemExit(f"{args.config} trains without a corpus (data.corpus is empty): it holds no prompts out")
+    questions = heldout_questions(data.path, data.corpus, data.eval_prompts)
+    Path(args.out).write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
+    print(f"{len(questions)} held-out prompts of {data.corpus} written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
