@@ -123,16 +123,13 @@ def _as_static_tree(tree) -> StaticTree:
     raise TreeError(f"expected a static tree (a list of paths such as [(0,), (0, 0), (1,)]), got {tree!r}")
 
 
-SEQUENTIAL_TOP_K = 8  # EAGLE's fixed-tree width (experiments.md, row 26): 15 nodes are best spent 8 wide a level
-
-
 def medusa_tree_spec(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> DynamicTreeSpec:
     """Medusa heads' default tree: each step the `nodes` likeliest paths by the heads' own probabilities, as
     deep or as wide as they are sure (any rank may be kept, so top_k = nodes); with a measured `cost`, only
     as many of them as pay for their verification on this machine. Sequential heads grow it a level at a
-    time, EAGLE-2's way, expanding the likeliest `SEQUENTIAL_TOP_K` nodes of each level."""
-    top_k = SEQUENTIAL_TOP_K if heads.config.sequential else nodes
-    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=min(top_k, nodes, MAX_TOP_K), nodes=nodes, cost=cost)
+    time, EAGLE-2's way; top_k = nodes there too, since narrower levels drafted no more on held-out training
+    prompts (experiments.md, M11)."""
+    return DynamicTreeSpec(depth=heads.config.num_heads, top_k=min(nodes, MAX_TOP_K), nodes=nodes, cost=cost)
 
 
 class MedusaDrafter:

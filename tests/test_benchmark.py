@@ -247,7 +247,7 @@ def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
         return benchmark.our_settings(args, heads)["medusa"]["tree"]
 
     own = tree()
-    assert (own.depth, own.top_k, own.nodes) == (3, 8, 15)
+    assert (own.depth, own.top_k, own.nodes) == (3, 15, 15)
     assert (tree(top_k=4).depth, tree(top_k=4).top_k) == (3, 4)
     assert tree(depth=2).depth == 2
     with pytest.raises(SystemExit, match="at most 3 tokens ahead"):

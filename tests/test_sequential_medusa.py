@@ -73,7 +73,7 @@ def test_heads_round_trip_and_refuse_what_they_cannot_do(tmp_path):
     for name, tensor in heads.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor)
     spec = medusa_tree_spec(loaded)
-    assert isinstance(spec, DynamicTreeSpec) and spec.depth == HEADS and spec.top_k == 8
+    assert isinstance(spec, DynamicTreeSpec) and spec.depth == HEADS and spec.top_k == 15
     with pytest.raises(TreeError, match="needs 4 sequential Medusa heads; the checkpoint has 3"):
         SequentialMedusaDrafter(loaded, model, DynamicTreeSpec(depth=4, top_k=2, nodes=6))
     with pytest.raises(TreeError, match="grows dynamic trees"):
