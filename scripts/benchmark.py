@@ -94,13 +94,17 @@ def our_settings(args, heads: dict) -> dict[str, dict]:
     """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback)."""
     # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
     fixed = args.tree == "fixed"
-    grown_tree = DynamicTreeSpec(depth=args.depth or 5, top_k=args.top_k or 4, nodes=args.nodes) if fixed else None
+
+    def shaped(own: DynamicTreeSpec) -> DynamicTreeSpec:  # a drafter's own tree shape unless --depth / --top-k say otherwise
+        return replace(own, depth=args.depth or own.depth, top_k=args.top_k or own.top_k)
+
+    grown_tree = shaped(DynamicTreeSpec(nodes=args.nodes)) if fixed else None
     medusa_tree = None
-    if fixed and "medusa" in heads:  # the heads' own tree shape unless --depth / --top-k say otherwise
+    if fixed and "medusa" in heads:
         own = medusa_tree_spec(heads["medusa"], nodes=args.nodes)
         if args.depth is not None and args.depth > own.depth:
             raise SystemExit(f"--depth {args.depth}: the Medusa heads draft at most {own.depth} tokens ahead (one head a token)")
-        medusa_tree = replace(own, depth=args.depth or own.depth, top_k=args.top_k or own.top_k)
+        medusa_tree = shaped(own)
 
     def ours(drafter, tree=None, lookup=False):
         return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
