@@ -380,9 +380,11 @@ def batch_throughput(args, argv) -> None:
             for rows in batches:
                 calibrated_tree(model, run["heads"], batch=rows, verbose=True)
     rows = []
+    progress = tqdm(total=len(args.batch_sizes) * (1 + len(runs)), desc="batch size x method")
     for size in args.batch_sizes:
         timings = {}
         for name in ["hf", *runs]:
+            progress.set_postfix_str(f"batch {size}, {name}")
             started, outputs = time.perf_counter(), []
             for start in range(0, len(prompts), size):
                 chunk = prompts[start : start + size]
@@ -391,8 +393,10 @@ def batch_throughput(args, argv) -> None:
                 else:
                     outputs += [o.token_ids for o in generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])]
             timings[name] = (sum(map(len, outputs)) / (time.perf_counter() - started), outputs)
+            progress.update()
         rows.append((size, timings))
-        print(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, _) in timings.items()), flush=True)
+        progress.write(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, _) in timings.items()))
+    progress.close()
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
