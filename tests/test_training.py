@@ -86,6 +86,13 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
     # a prefix of the corpus, for scaling curves; more than it holds is a clear error
     few, _ = build_datasets(replace(data, corpus_answers=3, dataset_responses=0), tokenizer, model, "tiny", seed=0)
     assert sorted(map(tuple, few["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[4:7])
+    # at most N answers of each prompt source, the first in corpus order
+    capped, _ = build_datasets(replace(data, corpus_per_source=1, dataset_responses=0), tokenizer, model, "tiny", seed=0)
+    first_of_source = {}
+    for r in records[4:]:
+        first_of_source.setdefault(r["source"], r)
+    assert len(first_of_source) > 1
+    assert sorted(map(tuple, capped["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in first_of_source.values())
     with pytest.raises(ValueError, match="holds 8 answers besides the 4 held out"):
         build_datasets(replace(data, corpus_answers=9), tokenizer, model, "tiny", seed=0)
     # the caches are keyed on the file's content: a new modification time (a fresh copy) reuses them

@@ -46,6 +46,7 @@ class DataConfig:
     split: str = "train"
     corpus: str | None = None  # a self-distilled corpus folder (python -m training.distill); all of it is used
     corpus_answers: int | None = None  # use only the corpus's first N answers (a balanced prefix); None = all
+    corpus_per_source: int | None = None  # then at most N answers of each prompt source (in corpus order); None = all
     id_field: str = "id"  # the prompts' id: prompts the corpus answered are not used again with the dataset's answer
     prompt_field: str = "prompt"  # a user message ...
     messages_field: str | None = None  # ... or a whole conversation [{"role", "content"}, ...]
@@ -59,6 +60,9 @@ class DataConfig:
 
     def __post_init__(self):
         check_numbers(self)
+        for name in ("corpus_answers", "corpus_per_source"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be >= 1 (or null for all), got {getattr(self, name)}")
 
 
 @dataclass

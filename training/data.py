@@ -9,6 +9,7 @@ Two sources of answer text:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import random
@@ -186,6 +187,13 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
                     f"besides the {len(held_out)} held out; write more with `python -m training.distill --answers N`"
                 )
             used = used[: data.corpus_answers]
+        if data.corpus_per_source is not None:  # the prompt file is 45% grade-school maths: cap what a source adds
+            taken, capped = collections.Counter(), []
+            for r in used:
+                taken[r["source"]] += 1
+                if taken[r["source"]] <= data.corpus_per_source:
+                    capped.append(r)
+            used = capped
         train += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in used]
         evaluation += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in records if r["id"] in held_out]
     if data.response_field and data.dataset_responses != 0:
