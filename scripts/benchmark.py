@@ -385,28 +385,32 @@ def batch_throughput(args, argv) -> None:
         timings = {}
         for name in ["hf", *runs]:
             progress.set_postfix_str(f"batch {size}, {name}")
-            started, outputs = time.perf_counter(), []
+            started, outputs, forwards = time.perf_counter(), [], 0  # forwards: each row's own target passes
             for start in range(0, len(prompts), size):
                 chunk = prompts[start : start + size]
                 if name == "hf":
                     outputs += hf_batch(model, chunk, args.max_new_tokens)
                 else:
-                    outputs += [o.token_ids for o in generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])]
-            timings[name] = (sum(map(len, outputs)) / (time.perf_counter() - started), outputs)
+                    results = generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])
+                    outputs += [o.token_ids for o in results]
+                    forwards += sum(o.stats.target_forwards for o in results)
+            elapsed, tokens = time.perf_counter() - started, sum(map(len, outputs))
+            timings[name] = (tokens / elapsed, outputs, tokens / forwards if forwards else None)
             progress.update()
         rows.append((size, timings))
-        progress.write(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, _) in timings.items()))
+        progress.write(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, *_) in timings.items()))
     progress.close()
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
         f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy; total new tokens per second "
-        f"(ours / HF in parentheses); the last column counts the first {len(alone)} rows identical to HF generate() of that prompt alone.\n\n"
+        f"(ours / HF, and tau: a row's new tokens per target pass it took part in, in parentheses); the last column counts the first "
+        f"{len(alone)} rows identical to HF generate() of that prompt alone.\n\n"
     )
     table = "| batch | HF generate() batched | " + " | ".join(runs) + " | identical |\n|---|---|" + "---|" * len(runs) + "---|\n"
     for size, timings in rows:
         hf = timings["hf"][0]
-        cells = " | ".join(f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x)" for name in runs)
+        cells = " | ".join(f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x, tau {timings[name][2]:.2f})" for name in runs)
         same = ", ".join(f"{sum(a == b for a, b in zip(timings[name][1], alone))}/{len(alone)}" for name in runs)
         table += f"| {size} | {hf:.1f} | {cells} | {same} |\n"
     print("\n" + header + table)

@@ -62,6 +62,7 @@ def test_batch_throughput_puts_every_method_beside_hf_batched(tiny_chat, tmp_pat
     assert "| batch | HF generate() batched | plain | lookup | identical |" in lines
     rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and all(row.endswith("| 4/4, 4/4 |") for row in rows)  # float32: every row is HF's own
+    assert all(row.split("|")[3].strip().endswith("tau 1.00)") for row in rows)  # plain decoding: one token a target pass
 
 
 def test_divergence_measures_the_targets_own_logit_gap():
