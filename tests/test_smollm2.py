@@ -95,7 +95,7 @@ def test_the_shipped_heads_load_on_the_default_target_in_every_dtype(dtype):
     from heads import load_heads
 
     model, _ = load_target(dtype=dtype)
-    shipped = ("eagle", "medusa", "medusa-sequential", "early-exit")
+    shipped = ("eagle", "eagle-cpu-stage2", "medusa", "medusa-sequential", "early-exit")
     for name in (f"smollm2-135m-instruct-{kind}" for kind in shipped):
         heads = load_heads(Path(__file__).resolve().parents[1] / "checkpoints" / name, model)
         assert next(heads.parameters()).dtype == model.dtype
