@@ -1,17 +1,20 @@
 """Self-distillation into a corpus that accumulates: balanced prompt order, resume without asking twice, second
-turns after the target's own first answer, identical bytes for identical answers, and refusals of mixed corpora."""
+turns after the target's own first answer, passages asked again under another instruction, identical bytes for
+identical answers, and refusals of mixed corpora."""
 
 import gzip
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 import training.distill as distill_module
+from conftest import WORDS
 from inference import load_target
 from training.corpus import read_corpus
-from training.distill import FOLLOW_UPS, DistillConfig, distill
+from training.distill import FOLLOW_UPS, DistillConfig, distill, reinstructed_prompts
 
 
 def settings(tiny_chat, root, **extra):
@@ -88,3 +91,67 @@ def test_bad_prompt_files_are_named(tiny_chat, tmp_path):
 def test_command_line_errors_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "training.distill", "--answerz", "3"], capture_output=True, text=True, cwd=tmp_path.parent)
     assert proc.returncode == 2 and "unknown key(s) ['answerz']" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reinstructed_prompts_swap_the_shared_instruction_and_keep_the_text():
+    summarize, points, questions = "Summarize the text.", "List its key points.", "Write questions it answers."
+    prompts = [
+        f"{summarize}\n\nalpha beta",
+        f"{points}\n\ngamma delta",
+        f"epsilon zeta\n\n{questions}",  # an instruction after its text keeps that order
+        f"{summarize}\n\neta theta",
+        f"{points}\n\niota kappa",
+        f"lambda mu\n\n{questions}",
+        "one paragraph only",
+        "no shared\n\ninstruction here",
+    ]
+    rewritten = reinstructed_prompts(prompts, seed=0)
+    assert rewritten[6:] == [None, None]
+    layouts = {summarize: True, points: True, questions: False}
+    for prompt, new in zip(prompts[:6], rewritten[:6]):
+        old_parts, new_parts = prompt.split("\n\n"), new.split("\n\n")
+        text = next(p for p in old_parts if p not in layouts)
+        instruction = next(p for p in new_parts if p in layouts)
+        assert instruction not in old_parts and text in new_parts
+        assert (new_parts[0] == instruction) == layouts[instruction]
+    assert reinstructed_prompts(prompts, seed=0) == rewritten  # seeded: the same prompts every run
+    assert reinstructed_prompts(prompts[:1] + prompts[3:4], seed=0) == [None, None]  # one instruction: no other to ask
+
+
+def test_reinstructed_answers_grow_the_corpus_and_keep_held_out_passages_out(tiny_chat, tmp_path):
+    from training.config import DataConfig
+    from training.data import build_datasets
+
+    instructions = ["the quick fox", "a lazy dog", "the old car"]  # the tiny tokenizer's words
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(12):
+            source = "documents" if i % 2 else "chat"
+            prompt = f"{instructions[i % 3]}\n\n{WORDS[i + 3]} sun sea" if source == "documents" else f"hello number {i}"
+            f.write(json.dumps({"id": i, "source": source, "prompt": prompt}) + "\n")
+    config = settings(tiny_chat, tmp_path, prompts=str(tmp_path / "prompts.jsonl"), answers=12, second_turn_share=0)
+    corpus = distill(replace(config, reinstruct_source="documents", reinstructed=4))
+    records = read_corpus(corpus)
+    again = [r for r in records if "prompt_of" in r]
+    assert len(records) == 16 and len(again) == 4
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    for record in again:
+        assert record["id"] == f"{record['prompt_of']}/reinstructed" and record["source"] == "documents/reinstructed"
+        text = tokenizer.decode(record["prompt_ids"])
+        assert f"{WORDS[record['prompt_of'] + 3]} sun sea" in text and sum(i in text for i in instructions) == 1
+        original = next(r for r in records if r["id"] == record["prompt_of"])
+        assert record["prompt_ids"] != original["prompt_ids"]
+    distill(replace(config, reinstruct_source="documents", reinstructed=4))  # nothing left to ask
+    assert read_corpus(corpus) == records
+    # a held-out prompt's passage stays out of training under its other instruction too
+    data = DataConfig(path=str(tmp_path / "prompts.jsonl"), corpus=str(corpus), eval_prompts=12, dataset_responses=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="no training sequences"):
+        build_datasets(data, tokenizer, model, "tiny", seed=0)
+    train_set, _ = build_datasets(replace(data, eval_prompts=11), tokenizer, model, "tiny", seed=0)
+    held_out = {r["id"] for r in records[:11]}
+    kept = [r for r in records if r.get("prompt_of", r["id"]) not in held_out]
+    assert len(kept) in (1, 2)  # the last prompt, and its passage asked again if it was a document that was
+    assert sorted(map(tuple, train_set["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in kept)
+    with pytest.raises(ValueError, match="need reinstruct_source"):
+        replace(config, reinstructed=3)
+    with pytest.raises(ValueError, match="nothing to ask again"):
+        distill(replace(config, reinstruct_source="chat", reinstructed=2))

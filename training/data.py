@@ -179,7 +179,7 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         records = corpus_records(data.corpus, target)
         held_out = held_out_ids(records, data.eval_prompts)
         answered = {r["id"] for r in records}
-        used = [r for r in records if r["id"] not in held_out]
+        used = [r for r in records if r.get("prompt_of", r["id"]) not in held_out]  # a reinstructed prompt: its passage too
         if data.corpus_answers is not None:
             if data.corpus_answers > len(used):
                 raise ConfigError(
@@ -219,7 +219,7 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
 def held_out_ids(records: list[dict], count: int) -> set:
     """The prompts a corpus recipe keeps out of training (both turns): its first `count` conversations, which
     the corpus balances across sources. Tree shapes are chosen on these, not on the dev set."""
-    return {r["id"] for r in [r for r in records if r["turn"] == 1][:count]}
+    return {r["id"] for r in [r for r in records if r["turn"] == 1 and "prompt_of" not in r][:count]}
 
 
 def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> tuple[list[dict], list[dict]]:

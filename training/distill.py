@@ -11,7 +11,10 @@ each worker was writing. Prompts stay where they are (`prompts`); the corpus kee
 
 Which prompts are answered, in order: first turns taken round-robin across the prompt file's sources (seeded),
 so every prefix of the corpus is balanced; then `second_turn_share` of the answers are second turns: a
-follow-up request (FOLLOW_UPS) answered after the target's own first answer, as in a two-turn chat.
+follow-up request (FOLLOW_UPS) answered after the target's own first answer, as in a two-turn chat. Besides those,
+`reinstructed` answers ask a passage of a `reinstruct_source` prompt again under another of that source's
+instructions (more text grounded in a document, where the prompt file has one request a passage); their records
+have the id "<prompt id>/reinstructed", the source "<source>/reinstructed" and `prompt_of`, the prompt's own id.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,10 +86,14 @@ class DistillConfig:
     device: str = "auto"  # cuda when there is a GPU (then one worker and larger batches: --workers 1 --batch_size 256)
     shard_answers: int = 256  # answers per shard (~6 minutes of work a worker, ~70 KB compressed)
     seed: int = 0
+    reinstruct_source: str | None = None  # a source of "<instruction>\n\n<text>" prompts (or text first) sharing a few instructions
+    reinstructed: int = 0  # besides `answers`: the first N of its prompts (balanced order) asked under another of its instructions
 
     def __post_init__(self):
         check_numbers(self)
-        if self.answers < 0 or not 0 <= self.second_turn_share <= 1:
+        if self.reinstructed and not self.reinstruct_source:
+            raise ConfigError("reinstructed answers need reinstruct_source: the source whose passages are asked again")
+        if self.answers < 0 or self.reinstructed < 0 or not 0 <= self.second_turn_share <= 1:
             raise ConfigError("answers must be >= 0 and second_turn_share between 0 and 1")
         for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers"):
             if getattr(self, name) < 1:
@@ -137,6 +145,29 @@ def follow_up(prompt_id, seed: int) -> str:
     return FOLLOW_UPS[int.from_bytes(digest[:4], "little") % len(FOLLOW_UPS)]
 
 
+def reinstructed_prompts(prompts: list[str], seed: int) -> list[str | None]:
+    """Each prompt of two paragraphs, an instruction and a text (either order), rewritten with another of the
+    instructions these prompts share (a paragraph found in more than one prompt), chosen by a seeded hash, in that
+    instruction's own order; None for a prompt without exactly one shared paragraph, or without another instruction."""
+    paragraphs = [p.split("\n\n") for p in prompts]
+    seen = Counter(part for parts in paragraphs if len(parts) == 2 for part in set(parts))
+    layouts = []  # (instruction, instruction first?, text) or None
+    for parts in paragraphs:
+        shared = [i for i, part in enumerate(parts) if seen[part] > 1] if len(parts) == 2 else []
+        layouts.append((parts[shared[0]], shared[0] == 0, parts[1 - shared[0]]) if len(shared) == 1 else None)
+    templates = sorted({(layout[0], layout[1]) for layout in layouts if layout})
+    rewritten = []
+    for n, layout in enumerate(layouts):
+        others = [t for t in templates if layout and t[0] != layout[0]]
+        if not others:
+            rewritten.append(None)
+            continue
+        digest = hashlib.sha256(repr((prompts[n], seed)).encode()).digest()
+        instruction, first = others[int.from_bytes(digest[:4], "little") % len(others)]
+        rewritten.append(f"{instruction}\n\n{layout[2]}" if first else f"{layout[2]}\n\n{instruction}")
+    return rewritten
+
+
 def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
     """The answers this run writes: what the plan asks for and the corpus lacks, first turns before second turns."""
     order = balanced_order(read_prompts(cfg), cfg.source_field, cfg.seed)
@@ -160,6 +191,29 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
             wanted.append(
                 {"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request, "prompt_ids": prompt_ids(tokenizer, chat)}
             )
+    return wanted + reinstructed_requests(cfg, order, tokenizer, done)
+
+
+def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done: dict) -> list[dict]:
+    if not cfg.reinstructed:
+        return []
+    if not cfg.source_field:
+        raise ConfigError("reinstruct_source needs source_field: the prompts' source is how its prompts are found")
+    chosen = [r for r in order if r[cfg.source_field] == cfg.reinstruct_source]
+    prompts = reinstructed_prompts([r[cfg.prompt_field] for r in chosen], cfg.seed)
+    usable = [(r, p) for r, p in zip(chosen, prompts) if p is not None]
+    if not usable:
+        raise ConfigError(
+            f"no prompt of source {cfg.reinstruct_source!r} is '<instruction>\\n\\n<text>' with an instruction that other prompts "
+            "share: there is nothing to ask again"
+        )
+    wanted = []
+    for r, prompt in usable[: cfg.reinstructed]:
+        key = f"{r[cfg.id_field]}/reinstructed"
+        if (key, 1) not in done:
+            user = [{"role": "user", "content": prompt}]
+            source = f"{cfg.reinstruct_source}/reinstructed"
+            wanted.append({"id": key, "source": source, "turn": 1, "follow_up": None, "prompt_of": r[cfg.id_field], "prompt_ids": prompt_ids(tokenizer, user)})
     return wanted
 
 
@@ -215,7 +269,8 @@ def distill(cfg: DistillConfig) -> Path:
     del model
     done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}
     todo = requests(cfg, tokenizer, done)
-    print(f"{directory}: {len(done)} answers, {len(todo)} to write (filling up to {cfg.answers})", file=sys.stderr)
+    extra = f" and {cfg.reinstructed} reinstructed" if cfg.reinstructed else ""
+    print(f"{directory}: {len(done)} answers, {len(todo)} to write (filling up to {cfg.answers}{extra})", file=sys.stderr)
     if not todo:
         return directory
     shards = sorted(directory.glob("shard-*.jsonl.gz"))
