@@ -155,3 +155,5 @@ def test_reinstructed_answers_grow_the_corpus_and_keep_held_out_passages_out(tin
         replace(config, reinstructed=3)
     with pytest.raises(ValueError, match="nothing to ask again"):
         distill(replace(config, reinstruct_source="chat", reinstructed=2))
+    with pytest.raises(ValueError, match="'news' is not a source of .*'chat', 'documents'"):
+        distill(replace(config, reinstruct_source="news", reinstructed=2))

@@ -94,7 +94,7 @@ class DistillConfig:
         if self.reinstructed and not self.reinstruct_source:
             raise ConfigError("reinstructed answers need reinstruct_source: the source whose passages are asked again")
         if self.answers < 0 or self.reinstructed < 0 or not 0 <= self.second_turn_share <= 1:
-            raise ConfigError("answers must be >= 0 and second_turn_share between 0 and 1")
+            raise ConfigError("answers and reinstructed must be >= 0 and second_turn_share between 0 and 1")
         for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -195,11 +195,16 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
 
 
 def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done: dict) -> list[dict]:
+    """The first `reinstructed` prompts of `reinstruct_source` (in the balanced order) that can be asked again, less
+    those the corpus holds; each asked alone, under another of the source's instructions."""
     if not cfg.reinstructed:
         return []
     if not cfg.source_field:
         raise ConfigError("reinstruct_source needs source_field: the prompts' source is how its prompts are found")
     chosen = [r for r in order if r[cfg.source_field] == cfg.reinstruct_source]
+    if not chosen:
+        sources = sorted({str(r[cfg.source_field]) for r in order})
+        raise ConfigError(f"reinstruct_source {cfg.reinstruct_source!r} is not a source of {cfg.prompts} (its sources: {sources})")
     prompts = reinstructed_prompts([r[cfg.prompt_field] for r in chosen], cfg.seed)
     usable = [(r, p) for r, p in zip(chosen, prompts) if p is not None]
     if not usable:
