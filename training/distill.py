@@ -140,9 +140,14 @@ def balanced_order(records: list[dict], source_field: str | None, seed: int) -> 
     return interleave(shuffled, [r[source_field] if source_field else None for r in shuffled])
 
 
+def seeded_choice(key, seed: int, choices: list | tuple):
+    """One of `choices`, fixed by (key, seed): the same prompt gets the same choice in every run."""
+    digest = hashlib.sha256(repr((key, seed)).encode()).digest()
+    return choices[int.from_bytes(digest[:4], "little") % len(choices)]
+
+
 def follow_up(prompt_id, seed: int) -> str:
-    digest = hashlib.sha256(repr((prompt_id, seed)).encode()).digest()
-    return FOLLOW_UPS[int.from_bytes(digest[:4], "little") % len(FOLLOW_UPS)]
+    return seeded_choice(prompt_id, seed, FOLLOW_UPS)
 
 
 def reinstructed_prompts(prompts: list[str], seed: int) -> list[str | None]:
@@ -162,8 +167,7 @@ def reinstructed_prompts(prompts: list[str], seed: int) -> list[str | None]:
         if not others:
             rewritten.append(None)
             continue
-        digest = hashlib.sha256(repr((prompts[n], seed)).encode()).digest()
-        instruction, first = others[int.from_bytes(digest[:4], "little") % len(others)]
+        instruction, first = seeded_choice(prompts[n], seed, others)
         rewritten.append(f"{instruction}\n\n{layout[2]}" if first else f"{layout[2]}\n\n{instruction}")
     return rewritten
 
@@ -212,12 +216,11 @@ def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done
             f"no prompt of source {cfg.reinstruct_source!r} is '<instruction>\\n\\n<text>' with an instruction that other prompts "
             "share: there is nothing to ask again"
         )
-    wanted = []
+    wanted, source = [], f"{cfg.reinstruct_source}/reinstructed"
     for r, prompt in usable[: cfg.reinstructed]:
         key = f"{r[cfg.id_field]}/reinstructed"
         if (key, 1) not in done:
             user = [{"role": "user", "content": prompt}]
-            source = f"{cfg.reinstruct_source}/reinstructed"
             wanted.append({"id": key, "source": source, "turn": 1, "follow_up": None, "prompt_of": r[cfg.id_field], "prompt_ids": prompt_ids(tokenizer, user)})
     return wanted
 
