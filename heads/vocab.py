@@ -3,11 +3,13 @@
 On a small target the vocabulary projection dominates a draft step (49,152 x 576 per row for SmolLM2);
 drafting from the few thousand tokens that make up most text cuts it several-fold. The target still
 verifies over its full vocabulary, so a token outside the draft vocabulary is simply never proposed:
-exactness is untouched, only acceptance can drop.
+exactness is untouched, only acceptance can drop. `DraftVocabulary.extended` adds tokens back for one
+sequence (inference.context_vocab: the tokens of its prompt and output).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -37,6 +39,44 @@ class DraftVocabulary:
             bias = None if bias is None else bias[draft_ids]
         self.ids, self.weight, self.bias, self.norm = draft_ids, weight, bias, norm
         self.target_size = target_size if own_rows else lm_head.weight.shape[0]
+        self.base_size = weight.shape[0]  # rows past it were added by `extended`
+        # a reduced vocabulary over the target's own rows can take any target token back; a head's own rows cannot
+        self._target_rows = None if own_rows or draft_ids is None else (lm_head.weight, getattr(lm_head, "bias", None))
+        self.member = None
+        if self._target_rows is not None:
+            self.member = torch.zeros(self.target_size, dtype=torch.bool, device=draft_ids.device)
+            self.member[draft_ids] = True
+
+    @property
+    def extensible(self) -> bool:
+        """Whether target tokens outside the vocabulary can join it (its rows are the target's lm_head's)."""
+        return self._target_rows is not None
+
+    def extended(self, token_ids: torch.Tensor) -> DraftVocabulary:
+        """This vocabulary plus the target tokens `token_ids` that are not in it yet (appended, their rows taken
+        from the target's lm_head); itself when there are none. Only an `extensible` vocabulary can grow."""
+        if not self.extensible:
+            raise ValueError("this draft vocabulary has rows of its own (an EAGLE-3 head's lm_head): no other token can join it")
+        new = token_ids.unique()
+        new = new[~self.member[new]]
+        if new.numel() == 0:
+            return self
+        weight, bias = self._target_rows
+        grown = copy.copy(self)
+        grown.ids, grown.weight = torch.cat([self.ids, new]), torch.cat([self.weight, weight[new]])
+        grown.bias = None if bias is None else torch.cat([self.bias, bias[new]])
+        grown.member = self.member.clone()
+        grown.member[new] = True
+        return grown
+
+    def unseen(self, seen: torch.Tensor) -> torch.Tensor | None:
+        """[rows, N]: where an added token is not among a row's `seen` tokens ([rows, target vocab] bool), so that
+        row must not draft it; None when every row may draft every token."""
+        if self.weight.shape[0] == self.base_size:
+            return None
+        unseen = torch.zeros(seen.shape[0], self.weight.shape[0], dtype=torch.bool, device=seen.device)
+        unseen[:, self.base_size :] = ~seen[:, self.ids[self.base_size :]]
+        return unseen if bool(unseen.any()) else None
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N] over the draft vocabulary."""

@@ -23,6 +23,7 @@ from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfig
 from heads.config import check_feature_layers
 
 from .cache import keep_paths, keep_rows
+from .context_vocab import ContextVocabulary
 from .tree import (
     MAX_TOP_K,
     DynamicTreeSpec,
@@ -88,11 +89,6 @@ class NoDrafter(TokenDrafter):
         return root_only(tokens)
 
 
-def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """A head's log-probabilities in float32, -inf where they are NaN (non-finite weights): impossible drafts."""
-    return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))
-
-
 def _check_head_fits(heads, model, what: str) -> None:
     config, target = heads.config, model.config
     if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -143,7 +139,7 @@ class MedusaDrafter:
 
     hidden_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, model, tree=None):
+    def __init__(self, heads: MedusaHeads, model, tree=None, context_vocab: bool = True):
         _check_head_fits(heads, model, "these Medusa heads")
         k = heads.config.num_heads
         if tree is None:
@@ -152,15 +148,16 @@ class MedusaDrafter:
         self.tree = None if self.spec is not None or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
         if self.tree is not None and self.tree.max_depth > k:
             raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
-        self.heads, self.vocab = heads, DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
-        if self.tree is not None and self.tree.max_rank >= self.vocab.weight.shape[0]:
-            raise TreeError(
-                f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {self.vocab.weight.shape[0]} tokens; use lower ranks"
-            )
+        vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
+        if self.tree is not None and self.tree.max_rank >= vocab.weight.shape[0]:
+            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {vocab.weight.shape[0]} tokens; use lower ranks")
+        # heads with lm_heads of their own score only their own rows
+        self.heads, self.context = heads, ContextVocabulary(vocab, context_vocab and heads.lm_heads is None)
         self.reset()
 
     def reset(self, rows: int = 1) -> None:
         self.hidden = None  # [rows, H]: each row's state that produced its root
+        self.context.reset(rows)
 
     def observe(self, hidden, next_tokens) -> None:
         self.observe_rows([hidden], [next_tokens])
@@ -171,6 +168,7 @@ class MedusaDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         if self.hidden is not None:
             self.hidden = self.hidden[rows]
+        self.context.keep_rows(rows)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         return self.propose_rows([tokens], [max_depth])[0]
@@ -185,9 +183,10 @@ class MedusaDrafter:
             depth = 0
         if depth < 1:
             return [root_only(text) for text in texts]
-        logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], self.vocab)  # [rows, depth, N]
-        top = log_probabilities(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
-        candidates, probabilities = self.vocab.to_target(top.indices), top.values.exp().tolist()
+        vocab = self.context.read_texts(texts)
+        logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
+        top = self.context.log_probs(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
+        candidates, probabilities = vocab.to_target(top.indices), top.values.exp().tolist()
         trees = []
         for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
             tree = self.tree
@@ -226,10 +225,10 @@ class DynamicTreeDrafter:
 
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str):
+    def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str, context_vocab: bool = True):
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
             raise TreeError(f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
-        self.spec, self.vocab = tree or DynamicTreeSpec(), vocab
+        self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = 1 + k + (self.spec.depth - 1) * k * k  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
@@ -238,7 +237,13 @@ class DynamicTreeDrafter:
                 f"(more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
             )
 
+    @property
+    def vocab(self) -> DraftVocabulary:
+        """What the rows draft from now: the head's vocabulary and the tokens they have seen (ContextVocabulary)."""
+        return self.context.current
+
     def reset(self, rows: int = 1) -> None:
+        self.context.reset(rows)
         self.cache, self.lengths, self.last = DynamicCache(), [0] * rows, None
         self.levels = [self.spec.depth] * rows  # with a measured cost: how deep each row's next tree may grow
         # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
@@ -269,6 +274,7 @@ class DynamicTreeDrafter:
         if self.cache.get_seq_length():
             keep_rows(self.cache, torch.tensor(rows, device=self.last.device))
         self.last = None if self.last is None else self.last[rows]
+        self.context.keep_rows(rows)
         for name in self.ROW_STATE:
             setattr(self, name, [getattr(self, name)[row] for row in rows])
         if self.cache.get_seq_length():
@@ -308,10 +314,11 @@ class DynamicTreeDrafter:
         self.last = newest if self.last is None else torch.where(moved, newest, self.last)
 
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        return log_probabilities(self.vocab.logits(outputs))
+        return self.context.log_probs(self.vocab.logits(outputs))
 
     def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
         """`propose` for every row at once: texts[b] is row b's committed text, its last token the root."""
+        self.context.read_texts(texts)
         self._read_committed(texts)
         limits = [min(levels, depth) for levels, depth in zip(self.levels, max_depths)]
         deepest = max(limits)
@@ -398,12 +405,13 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
 
     hidden_layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, model, tree: DynamicTreeSpec | None = None):
+    def __init__(self, heads: MedusaHeads, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         _check_head_fits(heads, model, "these Medusa heads")
         tree = medusa_tree_spec(heads) if tree is None else tree
         if isinstance(tree, DynamicTreeSpec) and tree.depth > heads.config.num_heads:
             raise TreeError(f"the tree is {tree.depth} deep, which needs {tree.depth} sequential Medusa heads; the checkpoint has {heads.config.num_heads}")
-        super().__init__(DraftVocabulary(model.get_output_embeddings(), heads.draft_ids), tree, "sequential Medusa")
+        vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
+        super().__init__(vocab, tree, "sequential Medusa", context_vocab and heads.lm_heads is None)
         self.heads, self.embed = heads, model.get_input_embeddings()
         self.reset()
 
@@ -438,9 +446,9 @@ class EagleDrafter(DynamicTreeDrafter):
 
     ROW_STATE = DynamicTreeDrafter.ROW_STATE + ("pending", "successors")
 
-    def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None):
+    def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         _check_head_fits(head, model, "this EAGLE head")
-        super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE")
+        super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE", context_vocab)
         self.head, self.embed = head, model.get_input_embeddings()
         self.hidden_layers = tuple(head.config.feature_layers)
         self.reset()
@@ -520,9 +528,9 @@ class EarlyExitDrafter(DynamicTreeDrafter):
     tokens committed since the last proposal (the root last) through the early layers in one pass.
     """
 
-    def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None):
+    def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         _check_head_fits(head, model, "this early-exit head")
-        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit")
+        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab)
         self.head = head
         self.reset()
 
@@ -663,8 +671,9 @@ def drafter_name(drafter) -> str:
     return type(drafter).__name__
 
 
-def as_drafter(heads, model, tree=None) -> Drafter:
-    """What generate() accepts as `heads`: None, loaded heads, a drafter, or a list of them to merge."""
+def as_drafter(heads, model, tree=None, context_vocab: bool = True) -> Drafter:
+    """What generate() accepts as `heads`: None, loaded heads, a drafter, or a list of them to merge.
+    `context_vocab=False`: trained heads draft from their own draft vocabulary only (inference.context_vocab)."""
     if isinstance(heads, type):
         raise TypeError(f"heads is the class {heads.__name__}, not a drafter: pass an instance, e.g. {heads.__name__}()")
     if heads is None:
@@ -672,13 +681,14 @@ def as_drafter(heads, model, tree=None) -> Drafter:
             raise TreeError("a tree was given but no heads or drafter to fill it")
         return NoDrafter()
     if isinstance(heads, MedusaHeads):
-        return SequentialMedusaDrafter(heads, model, tree) if heads.config.sequential else MedusaDrafter(heads, model, tree)
+        drafter = SequentialMedusaDrafter if heads.config.sequential else MedusaDrafter
+        return drafter(heads, model, tree, context_vocab)
     if isinstance(heads, EagleHead):
-        return EagleDrafter(heads, model, tree)
+        return EagleDrafter(heads, model, tree, context_vocab)
     if isinstance(heads, EarlyExitHead):
-        return EarlyExitDrafter(heads, model, tree)
+        return EarlyExitDrafter(heads, model, tree, context_vocab)
     if isinstance(heads, (list, tuple)):
-        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, TRAINED_HEADS) else None) for h in heads])
+        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, TRAINED_HEADS) else None, context_vocab) for h in heads])
     if isinstance(heads, Drafter):
         if tree is not None:
             raise TreeError(f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead")

@@ -8,7 +8,7 @@ Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup de
 drafter), lookup (our prompt lookup drafter), eagle and medusa (a head alone), eagle+lookup and medusa+lookup
 (the head's tree and a copied span merged into one tree), eagle-default and medusa-default (the default call
 `generate(model, head, prompt)`: the tree sized to this machine, lookup merged, the fallback on, whatever
---tree and --no-fallback say). Our other methods fall back to plain decoding where drafting does not pay
+--tree, --no-fallback and --no-context-vocab say). Our other methods fall back to plain decoding where drafting does not pay
 (--no-fallback: never).
 A multi-turn question is answered turn by turn through the chat template; every method is given the
 baseline's earlier answers, so all methods see identical prompts. Reports per category and overall:
@@ -36,7 +36,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import EarlyExitConfig, EarlyExitHead, load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
-from inference.drafters import medusa_tree_spec  # noqa: E402
+from inference.drafters import TRAINED_HEADS, as_drafter, medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
@@ -90,8 +90,10 @@ def load_method_heads(args, model) -> dict:
     return heads
 
 
-def our_settings(args, heads: dict) -> dict[str, dict]:
-    """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback)."""
+def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
+    """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback). With
+    --no-context-vocab (and so a fixed tree) a head's drafter is built here, lookup merged in, to pass it
+    `context_vocab=False`; that needs the `model`."""
     # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
     fixed = args.tree == "fixed"
 
@@ -107,6 +109,9 @@ def our_settings(args, heads: dict) -> dict[str, dict]:
         medusa_tree = shaped(own)
 
     def ours(drafter, tree=None, lookup=False):
+        if args.no_context_vocab and isinstance(drafter, TRAINED_HEADS):
+            drafter = as_drafter([drafter, PromptLookupDrafter()] if lookup else drafter, model, tree, context_vocab=False)
+            tree, lookup = None, False
         return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
 
     def default(drafter):  # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
@@ -144,7 +149,7 @@ def build_methods(args, model, tokenizer):
     table = {
         "hf": lambda p: hf_generate(model, p, args.max_new_tokens),
         "hf-lookup": lambda p: hf_generate(model, p, args.max_new_tokens, prompt_lookup_num_tokens=10),
-        **{name: ours(settings) for name, settings in our_settings(args, heads).items()},
+        **{name: ours(settings) for name, settings in our_settings(args, heads, model).items()},
     }
     return {name: table[name] for name in args.methods}
 
@@ -370,7 +375,7 @@ def batch_throughput(args, argv) -> None:
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
-    runs = our_settings(args, load_method_heads(args, model))  # method -> generate() keywords
+    runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
     batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})
@@ -436,6 +441,11 @@ def main(argv=None):
         help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes",
     )
     parser.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where plain decoding would be faster")
+    parser.add_argument(
+        "--no-context-vocab",
+        action="store_true",
+        help="heads draft from their own draft vocabulary only, not also the tokens of the prompt and output so far (needs --tree fixed)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--shard", type=parse_shard, default=None, metavar="K/N", help="answer every N-th question from the K-th (0-based)")
@@ -450,6 +460,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.merge:
         return merge_shards(args.merge, args.out)
+    if args.no_context_vocab and args.tree != "fixed":
+        parser.error("--no-context-vocab builds the heads' drafters with a fixed tree: add --tree fixed")
     if args.batch_sizes:
         return batch_throughput(args, argv)
     if "hf" in args.methods and args.methods[0] != "hf":

@@ -58,11 +58,12 @@ def test_keep_paths_moves_each_rows_path_to_its_own_end():
 
 def heads_for(model):
     torch.manual_seed(1)
-    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3))
+    # reduced draft vocabularies: rows draft their own prompt's and output's tokens too (inference.context_vocab)
+    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, draft_vocab_size=48))
     sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, num_layers=2, sequential=True))
     for p in [*medusa.parameters(), *sequential.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: drafts should vary
-    eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
+    eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)).eval()
     eagle3 = EagleHead(EagleConfig.for_target(model.config, architecture="eagle3", feature_layers=[0, 1], draft_vocab_size=48)).eval()
     exit_head = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
     tree = DynamicTreeSpec(depth=4, top_k=3, nodes=10)

@@ -243,7 +243,7 @@ def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
     heads = {"medusa": MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=50, num_heads=3, sequential=True))}
 
     def tree(**given):
-        settings = dict(tree="fixed", depth=None, top_k=None, nodes=15, no_fallback=True, methods=["medusa"])
+        settings = dict(tree="fixed", depth=None, top_k=None, nodes=15, no_fallback=True, no_context_vocab=False, methods=["medusa"])
         args = argparse.Namespace(**{**settings, **given})
         return benchmark.our_settings(args, heads)["medusa"]["tree"]
 

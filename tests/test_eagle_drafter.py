@@ -148,20 +148,38 @@ def test_an_overconfident_head_is_discounted():
     assert drafter.reliability() == 1.0
 
 
-def test_a_draft_vocabulary_smaller_than_top_k_drafts_from_all_of_it():
+def three_token_head():
+    """(tiny target, an EAGLE head drafting from the target tokens 5, 9 and 40 only, a prompt, a tree wider than that)"""
     model = tiny_model("llama", eos=None)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=3)).eval()
     head.draft_ids.copy_(torch.tensor([5, 9, 40]))
     prompt = torch.randint(4, 97, (10,), generator=torch.Generator().manual_seed(2))
-    spec = DynamicTreeSpec(depth=3, top_k=8, nodes=9)
-    out = generate(model, head, prompt, max_new_tokens=12, tree=spec)
-    assert out.token_ids == hf_greedy(model, prompt, 12)
-    drafter = EagleDrafter(head, model, spec)
+    return model, head, prompt, DynamicTreeSpec(depth=3, top_k=8, nodes=9)
+
+
+def first_tree(drafter, model, prompt):
+    """The drafter's tree right after the prefill of `prompt`."""
     drafter.reset()
     with torch.no_grad():
         hidden = model(prompt[None], output_hidden_states=True).hidden_states
         drafter.observe({-1: hidden[-1][0]}, torch.cat([prompt[1:], prompt[:1]]))
-        tree = drafter.propose(prompt, max_depth=3)
+        return drafter.propose(prompt, max_depth=3)
+
+
+def test_a_draft_vocabulary_smaller_than_top_k_drafts_from_all_of_it():
+    model, head, prompt, spec = three_token_head()
+    out = generate(model, head, prompt, max_new_tokens=12, tree=spec)
+    assert out.token_ids == hf_greedy(model, prompt, 12)
+    tree = first_tree(EagleDrafter(head, model, spec, context_vocab=False), model, prompt)  # the head's own vocabulary only
     assert set(tree.tokens[1:].tolist()) <= {5, 9, 40}
     assert int((tree.depth == 1).sum()) == 3  # every draft token at depth 1, not top_k of them
+
+
+def test_an_eagle_head_drafts_prompt_tokens_outside_its_vocabulary():
+    """inference.context_vocab: the prompt's tokens join the head's three."""
+    model, head, prompt, spec = three_token_head()
+    tree = first_tree(EagleDrafter(head, model, spec), model, prompt)
+    drafted = set(tree.tokens[1:].tolist())
+    assert drafted <= {5, 9, 40} | set(prompt.tolist()) and drafted - {5, 9, 40}
+    assert int((tree.depth == 1).sum()) > 3  # more than the head's own three tokens to choose from
