@@ -112,7 +112,8 @@ def measure(
     draft_level = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
-        drafter = as_drafter(head, model, spec)
+        # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
+        drafter = as_drafter(head, model, spec, context_vocab=False)
         drafter.reset(batch)
         drafter.observe_rows([{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1:]))
         texts, depths = list(tokens), [spec.depth] * batch
