@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
 import check_greedy  # noqa: E402
 import heldout_questions  # noqa: E402
-from heads import MedusaConfig, MedusaHeads  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads  # noqa: E402
 from training.corpus import write_shard  # noqa: E402
 
 TWO_QUESTIONS = [
@@ -253,3 +254,19 @@ def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
     assert tree(depth=2).depth == 2
     with pytest.raises(SystemExit, match="at most 3 tokens ahead"):
         tree(depth=4)
+
+
+def test_no_context_vocab_drafts_from_the_heads_own_vocabulary():
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=8)).eval()
+    settings = dict(tree="fixed", depth=3, top_k=2, nodes=4, no_fallback=True, methods=["eagle", "eagle+lookup"])
+    for off in (False, True):
+        runs = benchmark.our_settings(argparse.Namespace(**settings, no_context_vocab=off), {"eagle": head}, model)
+        if not off:  # generate() builds the drafter, with the context vocabulary
+            assert runs["eagle"]["heads"] is head and runs["eagle+lookup"]["lookup"]
+            continue
+        alone, merged = runs["eagle"]["heads"], runs["eagle+lookup"]["heads"]
+        assert not alone.context.enabled and alone.spec.depth == 3 and runs["eagle"]["tree"] is None
+        assert not merged.drafters[0].context.enabled and runs["eagle+lookup"]["lookup"] is False and len(merged.drafters) == 2
+    with pytest.raises(SystemExit):  # the drafters are built with a fixed tree
+        benchmark.main(["--methods", "eagle", "--eagle", "unused", "--no-context-vocab"])
