@@ -34,6 +34,7 @@ class ContextVocabulary:
 
     def reset(self, rows: int = 1) -> None:
         self.current, self.unseen = self.base, None
+        self.shared = rows > 1  # one sequence alone has seen every token added for it: nothing to mask
         self.read = [0] * rows  # how much of each row's text has been read
         self.seen = torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=self.base.weight.device) if self.enabled else None
 
@@ -47,7 +48,8 @@ class ContextVocabulary:
             self.seen[row, tokens] = True
         self.read = [text.shape[0] for text in texts]
         self.current = self.current.extended(torch.cat(fresh))
-        self.unseen = self.current.unseen(self.seen)
+        if self.shared:
+            self.unseen = self.current.unseen(self.seen)
         return self.current
 
     def keep_rows(self, rows: list[int]) -> None:
