@@ -18,6 +18,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from .attention import GROUPED_SDPA
 from .config import EagleConfig
 from .vocab import DraftVocabulary
 
@@ -94,7 +95,7 @@ class EagleHead(nn.Module):
             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
             bos_token_id=None,
             eos_token_id=None,
-            attn_implementation="sdpa",
+            attn_implementation=GROUPED_SDPA,  # a tree of queries without copying keys and values per head
         )
         # EAGLE-3 fuses low/mid/high target layers into one feature; EAGLE-1 uses the last layer as it is.
         self.fuse, self.feature_norms = None, None

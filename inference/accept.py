@@ -73,7 +73,11 @@ def target_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
 
 def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None):
     """(accepted node path, new tokens): the path's draft tokens, then the target's own token after it."""
-    chosen = target_tokens(logits, sampling, generator)
+    return accept_chosen(tree, target_tokens(logits, sampling, generator))
+
+
+def accept_chosen(tree: Tree, chosen: torch.Tensor):
+    """accept() once the target's token at every node is picked ([N]; a batch's greedy picks are one argmax)."""
     path = accepted_path(tree, chosen)
     return path, torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
 

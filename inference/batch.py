@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .accept import Sampling, accept, target_tokens
+from .accept import Sampling, accept, accept_chosen, target_tokens
 from .cache import keep_paths, keep_rows, new_cache
 from .drafters import drafter_name
 from .fallback import Fallback
@@ -168,9 +168,13 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
         paths, still, slots, observed, committed = [], [], [], [], []
+        greedy = out.logits.argmax(dim=-1) if sampling.greedy else None  # [B, N]: one argmax for all rows
         for slot, row in enumerate(active):
             tree = trees[slot]
-            path, new = accept(tree, out.logits[slot, : tree.size], sampling, generators[row])
+            if greedy is not None:
+                path, new = accept_chosen(tree, greedy[slot, : tree.size])
+            else:
+                path, new = accept(tree, out.logits[slot, : tree.size], sampling, generators[row])
             passes[row] += 1
             nodes[row] += tree.size
             stops = torch.isin(new, eos).nonzero()

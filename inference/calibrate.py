@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from heads import EagleHead, EarlyExitHead, MedusaHeads, TargetFingerprint
+from heads.attention import grouped_attention
 from heads.io import written_atomically
 
 from .cache import new_cache
@@ -32,7 +33,8 @@ from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-MEASUREMENT_VERSION = 2  # part of the cache key: calibrations measured the older way (one pass count at a time) are measured again
+MEASUREMENT_VERSION = 3  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+# values copied for every query head) are measured again
 BATCH_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens a row: a batch's trees are smaller
 CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
@@ -88,7 +90,11 @@ def measure(
     Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions), every row
     verifying k tokens; its entries are cropped from the cache again, so every measurement sees the same context.
     """
-    token_counts = token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS)
+    with grouped_attention(model):  # the attention generate() verifies with
+        return _measure(model, head, spec, batch, context, token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS), repeats)
+
+
+def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (batch, context + 1), generator=generator).to(model.device)

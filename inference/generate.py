@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heads.attention import grouped_attention
+
 from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
@@ -192,8 +194,14 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
-    if _is_batch(prompt_or_input_ids):
-        return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed)
+    with grouped_attention(model):  # the same attention, without copying keys and values for every query head
+        if _is_batch(prompt_or_input_ids):
+            return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed)
+        return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer)
+
+
+def _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer) -> Generation:
+    """generate() for one prompt."""
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
     drafter = as_drafter(with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
     drafter.reset()
