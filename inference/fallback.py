@@ -21,8 +21,8 @@ class Fallback:
     def __init__(self, enabled: bool = True, window: int = 16, judge: int = JUDGE, hold: int = 8, max_hold: int = 64):
         self.enabled, self.judge, self.first_hold, self.max_hold = enabled, judge, hold, max_hold
         self.hold = hold
-        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
-        self.plain: deque[tuple[int, float]] = deque(maxlen=window)
+        self.drafted: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
+        self.plain: deque[tuple[float, float]] = deque(maxlen=window)
         self.plain_left = 0  # plain steps still to take before drafting again
         self.warm = False  # the first drafted step also feeds the drafter the whole prompt: not timed
 
@@ -33,7 +33,7 @@ class Fallback:
             self.plain_left = 1  # price plain decoding once
         return self.plain_left == 0
 
-    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+    def record(self, drafted: bool, tokens: float, seconds: float) -> None:
         if not self.enabled:
             return
         if not drafted:

@@ -177,7 +177,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     tree=None,
-    lookup: bool = True,
+    lookup: bool | None = None,
     fallback: bool = True,
     seed: int | None = None,
     streamer=None,
@@ -188,7 +188,8 @@ def generate(
     output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`,
     a Drafter, or a list of them whose trees are merged. tree: None sizes a head's tree to this machine
     (inference.calibrate, measured once and cached); a DynamicTreeSpec (or Medusa paths) fixes it. lookup:
-    merge prompt lookup into a head's tree. fallback: decode plainly while drafting does not pay on this
+    merge prompt lookup into a head's tree (None, the default: for one prompt, not for a batch, where a row's
+    long copied span would widen every row's verification). fallback: decode plainly while drafting does not pay on this
     sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
     receives the prompt, then the tokens as they are accepted.
     """
@@ -196,8 +197,9 @@ def generate(
     _check_model(model)
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
+            lookup = bool(lookup) if len(prompt_or_input_ids) > 1 else lookup is not False
             return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed)
-        return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer)
+        return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup is not False, fallback, seed, streamer)
 
 
 def _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer) -> Generation:
@@ -283,8 +285,9 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
-    # a batch's step tells as much about its drafter as `rows` steps of one sequence: judge it after fewer steps
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(1, JUDGE // len(ids)))
+    # a batch's step tells as much about its drafter's guesses as `rows` steps of one sequence, but its time is
+    # one step's: judge it after fewer steps, yet never after one
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(2, JUDGE // len(ids)))
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain)
     seconds = time.perf_counter() - started
     results = []

@@ -317,11 +317,33 @@ def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, lim
 
     `scores` are the drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
     Keeping the n likeliest yields 1 + their summed probability tokens for `draft_cost + cost(n + 1)`.
+
+    scores [rows, N] is a batch verified in one pass: every row's tree is padded to the widest, so a width of
+    n costs the same whatever each row keeps, and every row keeps its n likeliest; the tokens are the rows' sum.
     """
-    probs = scores.float().exp().sort(descending=True).values[:limit]
-    expected = torch.cat([torch.ones(1), 1 + probs.cumsum(0).cpu()])
+    return int(token_rates(scores, cost, draft_cost, limit).argmax())
+
+
+def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> torch.Tensor:
+    """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count)."""
+    probs = scores.float().exp().reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values[:, :limit].cpu()
+    expected = torch.cat([torch.ones(probs.shape[0], 1), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=0)
     seconds = torch.tensor([draft_cost + cost(n + 1) for n in range(expected.shape[0])])
-    return int((expected / seconds).argmax())
+    return expected / seconds
+
+
+def best_shared_tree(scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, draft_level: float, limit: int) -> tuple[int, int]:
+    """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N].
+
+    One pass verifies every row, padded to the widest tree, and the batch drafts as deep as its deepest row, so
+    both are priced once for all rows: the depth and width that maximise the rows' summed expected tokens per
+    unit of time, each level drafted costing `draft_level`."""
+    best, choice = float("-inf"), (1, 0)
+    for levels in range(1, int(depth.max()) + 1):
+        rates = token_rates(scores.masked_fill(depth > levels, float("-inf")), cost, levels * draft_level, limit)
+        if float(rates.max()) > best:
+            best, choice = float(rates.max()), (levels, int(rates.argmax()))
+    return choice
 
 
 def sized_static_paths(accuracy: Sequence[Sequence[float]], cost: PassCost, max_nodes: int = 15) -> list[tuple[int, ...]]:

@@ -115,7 +115,7 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
         return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
 
     def default(drafter):  # generate(model, head, prompt) as it is, whatever --tree and --no-fallback say
-        return dict(heads=drafter, tree=None, lookup=True, fallback=True)
+        return dict(heads=drafter)
 
     table = {
         "plain": ours(None),

@@ -37,6 +37,15 @@ def test_greedy_picks_argmax_and_sampling_is_seeded():
     assert draws[0] == draws[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ties_go_to_the_first_maximum_as_in_argmax(dtype):
+    """generate() takes argmax, the first of tied maxima; bfloat16 logits tie often."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, 5, 3000), generator=generator).to(dtype)  # every row has many tied maxima
+    assert torch.equal(target_tokens(logits, Sampling()), logits.float().argmax(dim=-1))
+    assert target_tokens(torch.tensor([1.0, 5.0, 2.0, 5.0, 5.0], dtype=dtype), Sampling()).item() == 1
+
+
 def test_warpers_match_hugging_face_semantics():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
     probs = target_probabilities(logits, Sampling(temperature=0.5, top_k=3, top_p=0.9))

@@ -10,6 +10,7 @@ from inference.tree import (
     TreeError,
     attention_mask,
     best_node_count,
+    best_shared_tree,
     best_static_paths,
     chain_paths,
     check_parents,
@@ -181,6 +182,27 @@ def test_best_node_count_keeps_what_pays_for_itself():
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))  # 0.05 a token: only likely drafts pay
     assert best_node_count(confident, gentle, 0.1, limit=5) == 5
     assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0
+
+
+def test_a_batch_prices_one_width_for_all_its_rows():
+    """Every row is padded to the widest tree, so one row's likely drafts pay for the width and every row fills it."""
+    confident = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6]))
+    hopeless = torch.log(torch.tensor([0.02, 0.01, 0.01, 0.01]))
+    pricey = PassCost(tokens=(1, 8), relative=(1.0, 2.4))  # 0.2 a token
+    assert best_node_count(hopeless, pricey, 0.0, limit=4) == 0
+    assert best_node_count(torch.stack([confident, hopeless]), pricey, 0.0, limit=4) == 4
+    assert best_node_count(torch.stack([hopeless, hopeless]), pricey, 0.0, limit=4) == 0
+
+
+def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
+    # depth-1 drafts are likely, depth-3 ones are not: drafting three levels costs more than they bring
+    depth = torch.tensor([1, 1, 2, 2, 3, 3])
+    scores = torch.log(torch.tensor([[0.9, 0.03, 0.7, 0.02, 0.02, 0.01], [0.8, 0.03, 0.6, 0.02, 0.01, 0.01]]))
+    gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))
+    assert best_shared_tree(scores, depth, gentle, 0.3, limit=6) == (2, 2)  # two levels, the likely chain of each row
+    assert best_shared_tree(scores, depth, gentle, 3.0, limit=6)[0] == 1  # levels cost more than passes: one
+    likely = torch.log(torch.tensor([[0.95, 0.1, 0.9, 0.05, 0.85, 0.01]] * 2))
+    assert best_shared_tree(likely, depth, gentle, 0.05, limit=6) == (3, 3)
 
 
 def test_sized_static_paths_keep_only_what_pays():

@@ -1,0 +1,76 @@
+"""inference.cache: a cache of PositionLayers holds exactly what transformers' DynamicCache holds through every
+operation the decode loops make, without copying the whole cache on each pass."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from inference.cache import keep_path, keep_paths, keep_rows, new_cache, position_cache
+from tests.conftest import tiny_model
+
+
+def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
+    generator = torch.Generator().manual_seed(0)
+    reference, ours = DynamicCache(), position_cache()
+
+    def entries(rows: int, count: int):
+        keys = torch.randn(rows, 2, count, 4, generator=generator)
+        return keys, -keys
+
+    def same() -> None:
+        assert reference.get_seq_length() == ours.get_seq_length()
+        for layer in range(2):
+            torch.testing.assert_close(ours.layers[layer].keys, reference.layers[layer].keys, rtol=0, atol=0)
+            torch.testing.assert_close(ours.layers[layer].values, reference.layers[layer].values, rtol=0, atol=0)
+
+    def update(rows: int, count: int) -> None:
+        for layer in range(2):
+            keys, values = entries(rows, count)
+            returned = ours.update(keys.clone(), values.clone(), layer)
+            assert torch.equal(returned[0], reference.update(keys, values, layer)[0])
+
+    update(3, 40)  # a prefill
+    same()
+    buffer = ours.layers[0].key_buffer.data_ptr()
+    for _ in range(12):  # verification passes: a tree appended, its accepted paths kept, the rest cropped
+        length = reference.get_seq_length()
+        update(3, 5)
+        cached = [length - row for row in range(3)]
+        paths = [torch.tensor([0, 2, 3]), torch.tensor([0]), torch.tensor([0, 1])]
+        assert keep_paths(ours, cached, length, paths) == keep_paths(reference, cached, length, paths)
+        same()
+    assert ours.layers[0].key_buffer.data_ptr() == buffer  # every pass wrote into the same buffer
+    keep_rows(ours, torch.tensor([0, 2]))  # a row finished
+    keep_rows(reference, torch.tensor([0, 2]))
+    same()
+    update(2, 300)  # more than the buffer held: it grows, the kept entries are carried over
+    same()
+    ours.crop(-7)
+    reference.crop(-7)
+    update(2, 4)
+    same()
+
+
+def test_a_single_sequence_keeps_its_path_in_place():
+    generator = torch.Generator().manual_seed(1)
+    reference, ours = DynamicCache(), position_cache()
+    for cache in (reference, ours):
+        keys = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(2))
+        cache.update(keys, keys + 1, 0)
+    tree = torch.randn(1, 2, 6, 4, generator=generator)
+    for cache in (reference, ours):
+        cache.update(tree.clone(), tree + 1, 0)
+        keep_path(cache, 10, torch.tensor([0, 2, 5]), 6)
+    assert torch.equal(ours.layers[0].keys, reference.layers[0].keys) and ours.get_seq_length() == 13
+
+
+def test_new_cache_serves_a_model_as_dynamic_cache_does():
+    model = tiny_model("llama").float().eval()
+    ids = torch.arange(5, 25)[None]
+    with torch.inference_mode():
+        reference = model(ids, use_cache=True).logits
+        cache = new_cache(model)
+        first = model(ids[:, :12], cache=cache, use_cache=True).logits
+        second = model(ids[:, 12:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first, second], dim=1), reference, rtol=1e-5, atol=1e-5)
