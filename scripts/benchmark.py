@@ -371,7 +371,7 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 def batch_throughput(args, argv) -> None:
     """Total new tokens per second over the first turns, in batches of each size: HF generate() batched beside each
-    of --methods through generate(model, heads, [prompts...]), interleaved; rows are compared with HF alone."""
+    of --methods through generate(model, heads, [prompts...]), interleaved batch by batch; rows are compared with HF alone."""
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
@@ -387,21 +387,26 @@ def batch_throughput(args, argv) -> None:
     rows = []
     progress = tqdm(total=len(args.batch_sizes) * (1 + len(runs)), desc="batch size x method")
     for size in args.batch_sizes:
-        timings = {}
-        for name in ["hf", *runs]:
-            progress.set_postfix_str(f"batch {size}, {name}")
-            started, outputs, forwards = time.perf_counter(), [], 0  # forwards: each row's own target passes
-            for start in range(0, len(prompts), size):
-                chunk = prompts[start : start + size]
+        names = ["hf", *runs]
+        seconds, outputs, forwards = dict.fromkeys(names, 0.0), {name: [] for name in names}, dict.fromkeys(names, 0)  # forwards: each row's own target passes
+        # chunk by chunk, every method in turn: a slow spell of this machine slows each method alike
+        for start in range(0, len(prompts), size):
+            chunk = prompts[start : start + size]
+            for name in names:
+                progress.set_postfix_str(f"batch {size}, rows {start + 1}-{start + len(chunk)}, {name}")
+                started = time.perf_counter()
                 if name == "hf":
-                    outputs += hf_batch(model, chunk, args.max_new_tokens)
+                    outputs[name] += hf_batch(model, chunk, args.max_new_tokens)
                 else:
                     results = generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])
-                    outputs += [o.token_ids for o in results]
-                    forwards += sum(o.stats.target_forwards for o in results)
-            elapsed, tokens = time.perf_counter() - started, sum(map(len, outputs))
-            timings[name] = (tokens / elapsed, outputs, tokens / forwards if forwards else None)
-            progress.update()
+                    outputs[name] += [o.token_ids for o in results]
+                    forwards[name] += sum(o.stats.target_forwards for o in results)
+                seconds[name] += time.perf_counter() - started
+        progress.update(len(names))
+        timings = {}
+        for name in names:
+            tokens = sum(map(len, outputs[name]))
+            timings[name] = (tokens / seconds[name], outputs[name], tokens / forwards[name] if forwards[name] else None)
         rows.append((size, timings))
         progress.write(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, *_) in timings.items()))
     progress.close()
