@@ -9,7 +9,8 @@ attention for SmolLM2-135M's 9 query heads over 3 key/value heads at batch 8).
 
 It is registered with transformers' `AttentionInterface` under GROUPED_SDPA (with "sdpa"'s mask function), the
 library's extension point for attention kernels; `grouped_attention(model)` switches an "sdpa" model to it for the
-length of a call, and the EAGLE head's decoder uses it always.
+length of a call, and the EAGLE head's decoder uses it always. The switch is the model's: another thread using the
+same model meanwhile runs through it too, which computes the same attention.
 """
 
 from __future__ import annotations

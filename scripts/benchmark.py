@@ -377,7 +377,7 @@ def batch_throughput(args, argv) -> None:
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
-    alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[:4]]  # warm-up, and the reference rows
+    alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # warm-up, and the reference rows
     batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})
     for run in runs.values():
         generate(model, prompt_or_input_ids=prompts[:2], max_new_tokens=8, **run)
@@ -461,12 +461,17 @@ def main(argv=None):
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=None, help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours"
     )
+    parser.add_argument(
+        "--reference-rows", type=int, default=4, help="with --batch-sizes: how many first rows are compared with HF generate() of that prompt alone"
+    )
     parser.add_argument("--merge", nargs="+", metavar="SHARD.json", help="instead of a run: merge the results of one run's shards (--shard K/N) into --out")
     args = parser.parse_args(argv)
     if args.merge:
         return merge_shards(args.merge, args.out)
     if args.no_context_vocab and args.tree != "fixed":
         parser.error("--no-context-vocab builds the heads' drafters with a fixed tree: add --tree fixed")
+    if args.reference_rows < 1:
+        parser.error(f"--reference-rows must be at least 1, got {args.reference_rows}")
     if args.batch_sizes:
         return batch_throughput(args, argv)
     if "hf" in args.methods and args.methods[0] != "hf":

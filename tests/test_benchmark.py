@@ -58,11 +58,11 @@ def test_batch_throughput_puts_every_method_beside_hf_batched(tiny_chat, tmp_pat
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": "chat", "turns": [f"the cat runs {i} times"]}) for i in range(5)))
     out = tmp_path / "batches"
     args = ["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "hf", "plain", "lookup"]
-    benchmark.main(args + ["--max-new-tokens", "10", "--batch-sizes", "1", "2", "--tree", "fixed", "--out", str(out)])
+    benchmark.main(args + ["--max-new-tokens", "10", "--batch-sizes", "1", "2", "--tree", "fixed", "--reference-rows", "5", "--out", str(out)])
     lines = out.with_suffix(".md").read_text().splitlines()
     assert "| batch | HF generate() batched | plain | lookup | identical |" in lines
     rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
-    assert len(rows) == 2 and all(row.endswith("| 4/4, 4/4 |") for row in rows)  # float32: every row is HF's own
+    assert len(rows) == 2 and all(row.endswith("| 5/5, 5/5 |") for row in rows)  # float32: every row is HF's own
     assert all(row.split("|")[3].strip().endswith("tau 1.00)") for row in rows)  # plain decoding: one token a target pass
 
 
