@@ -115,7 +115,7 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
 def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor, plain: Fallback):
     """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, the seconds spent
     drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level), and the steps taken
-    without drafting (`plain` judges, as for one sequence, the whole batch's tokens per second)."""
+    without drafting (`plain` judges the batch as it would one sequence, by its tokens per row per second)."""
     count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
     dtype = model.dtype
     out_tokens = [[] for _ in range(count)]

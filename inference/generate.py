@@ -263,7 +263,7 @@ def _is_batch(prompts) -> bool:
 
 def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed) -> list[Generation]:
     """generate() for a list of prompts (inference.batch): one result per prompt, in order. One drafter built from
-    the shared heads drafts all rows at once; the fallback judges the whole batch. A row's stats count its own
+    the shared heads drafts all rows at once; the fallback judges the whole batch, by its pace per row. A row's stats count its own
     tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole batch's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
@@ -301,7 +301,7 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
 
 
 def with_defaults(heads, lookup: bool):
-    """A trained head alone gets prompt lookup merged into its tree (unless lookup=False)."""
+    """A trained head alone gets prompt lookup merged into its tree when `lookup` is true."""
     if lookup and isinstance(heads, TRAINED_HEADS):
         return [heads, PromptLookupDrafter()]
     return heads
