@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from conftest import tiny_model
 from heads.attention import GROUPED_SDPA, grouped_attention, grouped_sdpa_attention
 from inference.cache import new_cache
 from inference.tree import Tree, attention_mask, position_ids
-from tests.conftest import tiny_model
 
 
 def random_attention(batch: int, heads: int, kv_heads: int, queries: int, keys: int, mask_batch: int):

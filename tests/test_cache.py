@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from conftest import tiny_model
 from inference.cache import keep_path, keep_paths, keep_rows, new_cache, position_cache
-from tests.conftest import tiny_model
 
 
 def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
