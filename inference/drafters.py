@@ -53,6 +53,12 @@ class Drafter(Protocol):
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree: ...
 
 
+def drafted_nodes(levels: int, k: int) -> int:
+    """Nodes a tree holds after `levels` levels of EAGLE-2 growth, the root included: k children of the root, then
+    k children for each of the k frontier nodes a level."""
+    return 1 + k + (levels - 1) * k * k
+
+
 def root_only(tokens: torch.Tensor) -> Tree:
     return Tree.chain(tokens[-1:])
 
@@ -230,7 +236,7 @@ class DynamicTreeDrafter:
             raise TreeError(f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
         k = min(self.spec.top_k, vocab.weight.shape[0])
-        candidates = 1 + k + (self.spec.depth - 1) * k * k  # every level's children before the best are kept
+        candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
             raise TreeError(
                 f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate nodes a step "
@@ -326,7 +332,7 @@ class DynamicTreeDrafter:
             return [root_only(text) for text in texts]
         rows, device = len(texts), self.last.device
         k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
-        nodes = DraftNodes(torch.stack([text[-1] for text in texts]), 1 + k + (deepest - 1) * k * k, self.vocab)
+        nodes = DraftNodes(torch.stack([text[-1] for text in texts]), drafted_nodes(deepest, k), self.vocab)
         frontier = nodes.add_children(torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k)
         states, fed = self.last[:, None].expand(-1, k, -1), []
         start, lengths = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device)
@@ -359,7 +365,7 @@ class DynamicTreeDrafter:
         believed = torch.full((len(limits), nodes.count - 1), float("-inf"), device=nodes.scores.device)
         for row, limit in enumerate(limits):
             if limit >= 1:
-                count = 1 + k + (limit - 1) * k * k
+                count = drafted_nodes(limit, k)
                 believed[row, : count - 1] = self._believed(nodes, row, count)
         cost = self.spec.cost
         return best_shared_tree(believed, nodes.depth[1 : nodes.count], cost, cost.draft_level, self.spec.nodes)
@@ -369,7 +375,7 @@ class DynamicTreeDrafter:
         cost those that pay for themselves (in a batch: `width`, the count priced for all rows)."""
         if depth_limit < 1:
             return root_only(nodes.tokens[row, :1])
-        count = 1 + k + (depth_limit - 1) * k * k  # nodes are added level by level: these are the first levels'
+        count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
         self.guesses[row] = (int(nodes.tokens[row, 1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
         keep_count = self.spec.nodes
