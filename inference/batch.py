@@ -5,7 +5,8 @@ The cache holds, for row b, its committed tokens but the last in entries [0, cac
 stale (a shorter row's padding, rejected drafts) and every query is masked off them. A step appends all rows'
 trees at the same cache index (padded to the largest tree; a padding node sees only itself, so nothing is ever
 computed from nothing); each row's accepted path then moves to its own `cached[b]`, and the cache is cropped to
-the longest row. Rows that finish leave the batch and stop costing work.
+the longest row. Rows that finish leave the batch and stop costing work; while prompts wait beyond the batch
+size, the next ones are prefilled and join it (their cache rows appended, padded with masked entries).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import torch
 
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
-from .cache import keep_paths, keep_rows, new_cache
+from .cache import append_rows, keep_paths, keep_rows, new_cache
 from .drafters import drafter_name
 from .fallback import Fallback
 from .tree import Tree, additive_mask, verifiable_tree
@@ -112,10 +113,15 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     return ids, positions, additive_mask(allowed, dtype)[:, None]
 
 
-def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor, plain: Fallback):
+def decode_batch(
+    model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor, plain: Fallback, batch_size: int
+):
     """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, the seconds spent
     drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level), and the steps taken
-    without drafting (`plain` judges the batch as it would one sequence, by its tokens per row per second)."""
+    without drafting (`plain` judges the batch as it would one sequence, by its tokens per row per second).
+
+    At most `batch_size` rows decode at once: as rows finish, the next prompts are prefilled and join the batch
+    (continuous batching), so a batch does not idle on its slowest row while prompts wait."""
     count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
     dtype = model.dtype
     out_tokens = [[] for _ in range(count)]
@@ -131,26 +137,50 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
         ends[row] += new.shape[0]
         out_tokens[row] += new.tolist()
 
-    cache, last_logits, hidden = prefill(model, prompts, pad, drafter.hidden_layers)
-    lengths = [p.shape[0] for p in prompts]
-    still = []  # rows that go on decoding
-    for row in range(count):
-        first = target_tokens(last_logits[row][None], sampling, generators[row])
-        passes[row] += 1
-        append(row, first)
-        if not bool(torch.isin(first, eos).any()) and max_new_tokens > 1:
-            still.append(row)
-    started = time.perf_counter()
-    if still:
-        drafter.keep_rows(still)
-        drafter.observe_rows([hidden[row] for row in still], [texts[row][1 : ends[row]] for row in still])
-    draft_seconds += time.perf_counter() - started
-    # the rows still decoding, and (by slot) how many entries of theirs the cache holds: the prompt, not the first token
-    active, cached = _shrink(cache, list(range(count)), still, lengths)
+    def admit(rows: list[int]):
+        """Prefill these prompts and take each one's first token; returns the cache of the rows that go on
+        decoding, those rows, their cached lengths (the prompt, not the first token) and what the drafter is to
+        observe of them: their hidden states and tokens."""
+        cache, last_logits, hidden = prefill(model, [prompts[row] for row in rows], pad, drafter.hidden_layers)
+        going = []
+        for slot, row in enumerate(rows):
+            first = target_tokens(last_logits[slot][None], sampling, generators[row])
+            passes[row] += 1
+            append(row, first)
+            if not bool(torch.isin(first, eos).any()) and max_new_tokens > 1:
+                going.append(row)
+        going, lengths = _shrink(cache, rows, going, [prompts[row].shape[0] for row in rows])
+        return cache, going, lengths, [hidden[rows.index(row)] for row in going], [texts[row][1 : ends[row]] for row in going]
 
+    waiting = list(range(count))  # prompts not started yet, in order
+    active, cached, cache = [], [], None  # the rows decoding, and (by slot) how many entries of theirs the cache holds
+    observed, committed = [], []  # what the drafter is to observe for each active row
+    drafter.reset(0)
     plain_steps = 0
-    while active:
-        step_started = started = time.perf_counter()
+    while True:
+        while waiting and len(active) < batch_size:
+            joining, waiting = waiting[: batch_size - len(active)], waiting[batch_size - len(active) :]
+            joined_cache, joined, joined_cached, joined_observed, joined_committed = admit(joining)
+            if not joined:  # every one of them ended at its first token
+                continue
+            if active:
+                append_rows(cache, [layer.keys for layer in joined_cache.layers], [layer.values for layer in joined_cache.layers])
+            else:
+                cache = joined_cache
+            active, cached = active + joined, cached + joined_cached
+            observed, committed = observed + joined_observed, committed + joined_committed
+            started = time.perf_counter()
+            drafter.add_rows(len(joined))
+            draft_seconds += time.perf_counter() - started
+        if not active:
+            break
+        started = time.perf_counter()
+        if observed:
+            drafter.observe_rows(observed, committed)
+            observed, committed = [], []
+        step_started = time.perf_counter()
+        draft_seconds += step_started - started
+        started = step_started
         drafting = plain.use_drafter()
         if drafting:
             budgets = [max_new_tokens - len(out_tokens[row]) for row in active]
@@ -167,7 +197,7 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
-        paths, still, slots, observed, committed = [], [], [], [], []
+        paths, still, slots = [], [], []
         greedy = greedy_tokens(out.logits) if sampling.greedy else None  # [B, N]: one argmax for all rows
         for slot, row in enumerate(active):
             tree = trees[slot]
@@ -191,9 +221,7 @@ def decode_batch(model, drafter, prompts: list[torch.Tensor], max_new_tokens: in
                 committed.append(new)
         cached = keep_paths(cache, cached, length, paths)
         started = time.perf_counter()
-        if still:
-            drafter.keep_rows(slots)
-            drafter.observe_rows(observed, committed)
+        drafter.keep_rows(slots)
         draft_seconds += time.perf_counter() - started
         # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
         plain.record(drafting, (sum(ends[row] for row in active) - step_tokens) / len(active), time.perf_counter() - step_started)

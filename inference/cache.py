@@ -95,3 +95,19 @@ def keep_rows(cache, rows: torch.Tensor) -> None:
     """Drop the other rows from the cache (finished sequences leave the batch)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+
+
+def append_rows(cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Add rows after the cache's own (sequences joining the batch): keys[i] / values[i] [rows, heads, length,
+    dim] for layer i. The shorter side is padded with zero entries, which every query masks off as it does a
+    shorter row's stale ones."""
+    for layer, new_keys, new_values in zip(cache.layers, keys, values, strict=True):
+        length = max(layer.keys.shape[-2], new_keys.shape[-2])
+        layer.keys = torch.cat([_padded(layer.keys, length), _padded(new_keys, length)])
+        layer.values = torch.cat([_padded(layer.values, length), _padded(new_values, length)])
+
+
+def _padded(entries: torch.Tensor, length: int) -> torch.Tensor:
+    """entries [rows, heads, n, dim] with zero entries after them up to `length`."""
+    missing = length - entries.shape[-2]
+    return entries if missing == 0 else torch.cat([entries, entries.new_zeros(*entries.shape[:-2], missing, entries.shape[-1])], dim=-2)

@@ -33,9 +33,12 @@ from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-MEASUREMENT_VERSION = 3  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
-# values copied for every query head) are measured again
-BATCH_TOKEN_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # tokens a row: a batch's trees are smaller
+MEASUREMENT_VERSION = 4  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+# values copied for every query head; a batch's widths measured sparsely) are measured again
+# Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
+# products run in blocks of rows: at 8 rows a bfloat16 pass over 3 tokens a row cost what one over 4 did (Xeon, AMX),
+# 7 what 8 did, so an interpolated cost at 5 or 7 would buy widths that waste a block.
+BATCH_TOKEN_COUNTS = tuple(range(1, 17))
 CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
 
@@ -97,7 +100,8 @@ def measure(
 def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    tokens = torch.randint(vocab, (batch, context + 1), generator=generator).to(model.device)
+    steps = 2 * (repeats + 1)  # drafting steps measured, each committing one more token a row
+    tokens = torch.randint(vocab, (batch, context + 1 + steps), generator=generator).to(model.device)
     cache = new_cache(model)  # holds `context` tokens a row; the last token is the root of every draft
     prefill = model(input_ids=tokens[:, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
 
@@ -115,16 +119,32 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     seconds = interleaved_medians([lambda k=k: verify(k) for k in token_counts], repeats)
     # a pass over fewer tokens never costs more than one over more: a measurement that noise inflated is capped
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
-    draft_level = 0.0
+    draft_level = draft_step = 0.0
     if head is not None:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
         # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
         drafter = as_drafter(head, model, spec, context_vocab=False)
         drafter.reset(batch)
-        drafter.observe_rows([{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1:]))
-        texts, depths = list(tokens), [spec.depth] * batch
-        draft_level = median_seconds(lambda: drafter.propose_rows(texts, depths), repeats) / spec.depth / seconds[0]
-    cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level)
+        drafter.observe_rows(
+            [{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1 : context + 1])
+        )
+        newest = [{layer: prefill.hidden_states[layer][row, -1:] for layer in drafter.hidden_layers} for row in range(batch)]
+        read = [context]  # tokens the drafter has read; the text holds one more, the root
+
+        def draft(depth: int) -> None:
+            """A step as generate() makes it: the head reads the token committed last (its hidden state stands in for
+            the target's, which only sets the numbers), then drafts `depth` levels."""
+            drafter.observe_rows(newest, list(tokens[:, read[0] + 1 : read[0] + 2]))
+            drafter.propose_rows(list(tokens[:, : read[0] + 2]), [depth] * batch)
+            read[0] += 1
+
+        if spec.depth == 1:
+            draft_level = median_seconds(lambda: draft(1), repeats) / seconds[0]
+        else:  # the deep step's extra cost is its levels'; what is left of a one-level step is every step's
+            shallow, deep = interleaved_medians([lambda: draft(1), lambda: draft(spec.depth)], repeats)
+            level = max(deep - shallow, 0.0) / (spec.depth - 1)
+            draft_level, draft_step = level / seconds[0], max(shallow - level, 0.0) / seconds[0]
+    cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level, draft_step)
     return cost, seconds[0]
 
 
@@ -155,7 +175,7 @@ def load_or_measure(
     if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
-            return PassCost(tuple(saved["tokens"]), tuple(float(c) for c in saved["relative"]), float(saved["draft_level"]))
+            return PassCost(tuple(saved["tokens"]), tuple(float(c) for c in saved["relative"]), float(saved["draft_level"]), float(saved["draft_step"]))
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
             warnings.warn(f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again", stacklevel=2)
     if verbose:
@@ -169,6 +189,7 @@ def load_or_measure(
                     "tokens": cost.tokens,
                     "relative": cost.relative,
                     "draft_level": cost.draft_level,
+                    "draft_step": cost.draft_step,
                     "one_token_pass_ms": 1e3 * one_pass,
                     "device": device_name(model.device),
                     "dtype": str(model.dtype),
@@ -245,7 +266,7 @@ def main(argv=None) -> None:
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")
     if head is not None:
-        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass")
+        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass; every drafting step besides: {cost.draft_step:.3f}")
 
 
 if __name__ == "__main__":

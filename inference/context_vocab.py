@@ -52,6 +52,16 @@ class ContextVocabulary:
             self.unseen = self.current.unseen(self.seen)
         return self.current
 
+    def add_rows(self, count: int) -> None:
+        """`count` new rows, that have seen nothing yet. The vocabulary is rebuilt from the rows still drafting,
+        so a batch that admits prompts as others finish does not grow it with every finished row's tokens."""
+        self.read += [0] * count
+        self.shared = len(self.read) > 1
+        if self.enabled:
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(count, self.seen.shape[1])])
+            self.current = self.base.extended(self.seen.any(dim=0).nonzero()[:, 0])
+            self.unseen = self.current.unseen(self.seen) if self.shared else None
+
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows go on (their order kept)."""
         self.read = [self.read[row] for row in rows]

@@ -21,7 +21,7 @@ import torch
 from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
 from heads.config import check_feature_layers
 
-from .cache import keep_paths, keep_rows, position_cache
+from .cache import append_rows, keep_paths, keep_rows, position_cache
 from .context_vocab import ContextVocabulary
 from .tree import (
     MAX_TOP_K,
@@ -85,6 +85,9 @@ class TokenDrafter:
         return [self.propose(text, depth) for text, depth in zip(texts, max_depths)]
 
     def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+    def add_rows(self, count: int) -> None:
         pass
 
 
@@ -176,6 +179,9 @@ class MedusaDrafter:
             self.hidden = self.hidden[rows]
         self.context.keep_rows(rows)
 
+    def add_rows(self, count: int) -> None:
+        self.context.add_rows(count)  # their hidden states come with the next observe_rows, as every row's do
+
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         return self.propose_rows([tokens], [max_depth])[0]
 
@@ -250,11 +256,33 @@ class DynamicTreeDrafter:
 
     def reset(self, rows: int = 1) -> None:
         self.context.reset(rows)
-        self.cache, self.lengths, self.last = position_cache(), [0] * rows, None
-        self.levels = [self.spec.depth] * rows  # with a measured cost: how deep each row's next tree may grow
-        # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
-        # probability and of how often the target then chose that token (a prior of one right guess).
-        self.guesses, self.expected, self.realised = [None] * rows, [1.0] * rows, [1.0] * rows
+        self.cache, self.last = position_cache(), None
+        for name, fresh in self._new_rows(rows).items():
+            setattr(self, name, fresh)
+
+    def _new_rows(self, count: int) -> dict[str, list]:
+        """The per-row state of `count` sequences that have just started (keep_rows and add_rows keep it in row order)."""
+        return {
+            "lengths": [0] * count,  # committed entries in the draft cache
+            "levels": [self.spec.depth] * count,  # with a measured cost: how deep the row's next tree may grow
+            # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
+            # probability and of how often the target then chose that token (a prior of one right guess).
+            "guesses": [None] * count,
+            "expected": [1.0] * count,
+            "realised": [1.0] * count,
+        }
+
+    def add_rows(self, count: int) -> None:
+        """`count` new sequences join after the current rows (a batch admits prompts as others finish); they
+        are observed with the others at the next observe_rows."""
+        self.context.add_rows(count)
+        if self.cache.get_seq_length():
+            empty = [layer.keys.new_zeros(count, layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in self.cache.layers]
+            append_rows(self.cache, empty, empty)
+        if self.last is not None:
+            self.last = torch.cat([self.last, self.last.new_zeros(count, self.last.shape[-1])])
+        for name, fresh in self._new_rows(count).items():
+            getattr(self, name).extend(fresh)
 
     def reliability(self, row: int = 0) -> float:
         """Observed over predicted acceptance of the drafter's best depth-1 draft on this row, at most 1."""
@@ -278,15 +306,13 @@ class DynamicTreeDrafter:
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows go on (their order kept); the others' sequences are finished."""
         if self.cache.get_seq_length():
-            keep_rows(self.cache, torch.tensor(rows, device=self.last.device))
+            keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.last.device))
         self.last = None if self.last is None else self.last[rows]
         self.context.keep_rows(rows)
-        for name in self.ROW_STATE:
+        for name in self._new_rows(0):
             setattr(self, name, [getattr(self, name)[row] for row in rows])
         if self.cache.get_seq_length():
-            self.cache.crop(max(self.lengths) - self.cache.get_seq_length())
-
-    ROW_STATE = ("lengths", "levels", "guesses", "expected", "realised")  # per-row lists that keep_rows subsets
+            self.cache.crop(max(self.lengths, default=0) - self.cache.get_seq_length())
 
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         raise NotImplementedError
@@ -472,8 +498,6 @@ class EagleDrafter(DynamicTreeDrafter):
     the depth-1 candidates. A draft node's input is its parent's predicted feature and its own token.
     """
 
-    ROW_STATE = DynamicTreeDrafter.ROW_STATE + ("pending", "successors")
-
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         _check_head_fits(head, model, "this EAGLE head")
         super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE", context_vocab)
@@ -483,9 +507,13 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def reset(self, rows: int = 1) -> None:
         super().reset(rows)
-        self.pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]  # observed pairs not read yet
-        self.successors: list[dict[tuple[int, int], int]] = [{} for _ in range(rows)]  # committed bigram -> next token
         self.tails = None  # each row's last two committed tokens, for the copy tokens of draft nodes
+
+    def _new_rows(self, count: int) -> dict[str, list]:
+        return super()._new_rows(count) | {
+            "pending": [[] for _ in range(count)],  # observed (features, next tokens) pairs not read yet
+            "successors": [{} for _ in range(count)],  # committed bigram -> next token
+        }
 
     def observe_rows(self, hidden, next_tokens) -> None:
         super().observe_rows(hidden, next_tokens)
@@ -640,6 +668,11 @@ class MergedDrafter:
         for drafter in self.drafters:
             if isinstance(drafter, OWN_DRAFTERS):
                 drafter.keep_rows(rows)
+
+    def add_rows(self, count: int) -> None:
+        for drafter in self.drafters:
+            if isinstance(drafter, OWN_DRAFTERS):
+                drafter.add_rows(count)
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         return self.propose_rows([tokens], [max_depth])[0]

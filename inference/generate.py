@@ -181,6 +181,7 @@ def generate(
     fallback: bool = True,
     seed: int | None = None,
     streamer=None,
+    batch_size: int | None = None,
 ) -> Generation:
     """Generate exactly what `model` alone generates (greedy: token for token; sampling: in distribution).
 
@@ -191,14 +192,15 @@ def generate(
     merge prompt lookup into a head's tree (None, the default: for one prompt, not for a batch, where a row's
     long copied span would widen every row's verification). fallback: decode plainly while drafting does not pay on this
     sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
-    receives the prompt, then the tokens as they are accepted.
+    receives the prompt, then the tokens as they are accepted. batch_size: for a list of prompts, how many
+    decode at once (None: all of them); as one finishes, the next prompt starts in its place.
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
             lookup = bool(lookup) if len(prompt_or_input_ids) > 1 else lookup is not False
-            return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed)
+            return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size)
         return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup is not False, fallback, seed, streamer)
 
 
@@ -261,34 +263,36 @@ def _is_batch(prompts) -> bool:
     return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], (str, list, tuple, torch.Tensor, Mapping))
 
 
-def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed) -> list[Generation]:
+def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size) -> list[Generation]:
     """generate() for a list of prompts (inference.batch): one result per prompt, in order. One drafter built from
     the shared heads drafts all rows at once; the fallback judges the whole batch, by its pace per row. A row's stats count its own
-    tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole batch's."""
+    tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole call's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
             item = item["input_ids"]
         if (isinstance(item, str) and not item.strip()) or (not isinstance(item, str) and len(item) == 0):
             raise ValueError(f"prompt {index} of the batch is empty: give at least one token of text for every prompt")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
     ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
+    rows = len(ids) if batch_size is None else min(batch_size, len(ids))
     stateful = [d for d in (heads if isinstance(heads, (list, tuple)) else [heads]) if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)]
     if stateful and len(ids) > 1:
         raise ValueError(
             f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded heads "
             "(heads.load_heads) instead, and one drafter is built for the whole batch"
         )
-    spec = tree if tree is not None else calibrated_tree(model, heads, batch=len(ids))
+    spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
     if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
         drafter = MergedDrafter([drafter])
-    drafter.reset(len(ids))
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
     # a batch's step tells as much about its drafter's guesses as `rows` steps of one sequence, but its time is
     # one step's: judge it after fewer steps, yet never after one
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(2, JUDGE // len(ids)))
-    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain)
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(2, JUDGE // rows))
+    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows)
     seconds = time.perf_counter() - started
     results = []
     for row, tokens in enumerate(new_tokens):

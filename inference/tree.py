@@ -293,12 +293,15 @@ class PassCost:
     """What one step costs on this machine, relative to a one-token target pass (inference.calibrate).
 
     `relative[i]` is a target pass over `tokens[i]` tokens (tokens[0] == 1, so relative[0] == 1); beyond the
-    last measurement the cost grows along the last measured slope. `draft_level` is one level of drafting.
+    last measurement the cost grows along the last measured slope. `draft_level` is one level of drafting;
+    `draft_step` what a drafting step costs whatever its depth (the head reading the tokens the last step
+    committed), which every step pays, so it weighs for larger trees: they spread it over more tokens.
     """
 
     tokens: tuple[int, ...]
     relative: tuple[float, ...]
     draft_level: float = 0.0
+    draft_step: float = 0.0
 
     def __post_init__(self):
         if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.relative) or list(self.tokens) != sorted(set(self.tokens)):
@@ -316,7 +319,8 @@ def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, lim
     """How many drafts (0..limit) maximise expected tokens per unit of time.
 
     `scores` are the drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
-    Keeping the n likeliest yields 1 + their summed probability tokens for `draft_cost + cost(n + 1)`.
+    Keeping the n likeliest yields 1 + their summed probability tokens for `cost.draft_step + draft_cost +
+    cost(n + 1)`.
 
     scores [rows, N] is a batch verified in one pass: every row's tree is padded to the widest, so a width of
     n costs the same whatever each row keeps, and every row keeps its n likeliest; the tokens are the rows' sum.
@@ -328,7 +332,7 @@ def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: 
     """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count)."""
     probs = scores.float().exp().reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values[:, :limit].cpu()
     expected = torch.cat([torch.ones(probs.shape[0], 1), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=0)
-    seconds = torch.tensor([draft_cost + cost(n + 1) for n in range(expected.shape[0])])
+    seconds = torch.tensor([cost.draft_step + draft_cost + cost(n + 1) for n in range(expected.shape[0])])
     return expected / seconds
 
 

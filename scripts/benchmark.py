@@ -369,40 +369,47 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     return rows
 
 
+def identical_rows(outputs: list[list[int]], alone: list[list[int]], per_round: int) -> int:
+    """How many reference rows were identical to HF alone in every round (outputs holds the rounds one after another)."""
+    rounds = [outputs[start : start + per_round] for start in range(0, len(outputs), per_round)]
+    return sum(all(rows[index] == reference for rows in rounds) for index, reference in enumerate(alone))
+
+
 def batch_throughput(args, argv) -> None:
-    """Total new tokens per second over the first turns, in batches of each size: HF generate() batched beside each
-    of --methods through generate(model, heads, [prompts...]), interleaved batch by batch; rows are compared with HF alone."""
+    """Total new tokens per second over the first turns at each batch size: HF generate() batched (the prompts in
+    chunks of the batch size, each chunk decoded until its last row ends) beside each of --methods through
+    generate(model, heads, prompts, batch_size=size) (at most that many rows at once, a prompt joining as another
+    finishes), in --rounds rounds of every method in turn; rows are compared with HF alone."""
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # warm-up, and the reference rows
-    batches = sorted({min(size, len(prompts) - start) for size in args.batch_sizes for start in range(0, len(prompts), size)})
     for run in runs.values():
         generate(model, prompt_or_input_ids=prompts[:2], max_new_tokens=8, **run)
         if run.get("tree") is None and run["heads"] is not None:  # measured once per batch size and cached: not timed
-            for rows in batches:
-                calibrated_tree(model, run["heads"], batch=rows, verbose=True)
+            for size in args.batch_sizes:
+                calibrated_tree(model, run["heads"], batch=min(size, len(prompts)), verbose=True)
     rows = []
-    progress = tqdm(total=len(args.batch_sizes) * (1 + len(runs)), desc="batch size x method")
+    progress = tqdm(total=len(args.batch_sizes) * args.rounds * (1 + len(runs)), desc="batch size x round x method")
     for size in args.batch_sizes:
         names = ["hf", *runs]
         seconds, outputs, forwards = dict.fromkeys(names, 0.0), {name: [] for name in names}, dict.fromkeys(names, 0)  # forwards: each row's own target passes
-        # chunk by chunk, every method in turn: a slow spell of this machine slows each method alike
-        for start in range(0, len(prompts), size):
-            chunk = prompts[start : start + size]
+        # every method in turn, round after round: a slow spell of this machine slows each method alike
+        for round_ in range(args.rounds):
             for name in names:
-                progress.set_postfix_str(f"batch {size}, rows {start + 1}-{start + len(chunk)}, {name}")
+                progress.set_postfix_str(f"batch {size}, round {round_ + 1}, {name}")
                 started = time.perf_counter()
                 if name == "hf":
-                    outputs[name] += hf_batch(model, chunk, args.max_new_tokens)
+                    new = [row for start in range(0, len(prompts), size) for row in hf_batch(model, prompts[start : start + size], args.max_new_tokens)]
                 else:
-                    results = generate(model, prompt_or_input_ids=chunk, max_new_tokens=args.max_new_tokens, **runs[name])
-                    outputs[name] += [o.token_ids for o in results]
+                    results = generate(model, prompt_or_input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=size, **runs[name])
+                    new = [o.token_ids for o in results]
                     forwards[name] += sum(o.stats.target_forwards for o in results)
                 seconds[name] += time.perf_counter() - started
-        progress.update(len(names))
+                outputs[name] += new
+                progress.update(1)
         timings = {}
         for name in names:
             tokens = sum(map(len, outputs[name]))
@@ -413,15 +420,16 @@ def batch_throughput(args, argv) -> None:
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy; total new tokens per second "
-        f"(ours / HF, and tau: a row's new tokens per target pass it took part in, in parentheses); the last column counts the first "
-        f"{len(alone)} rows identical to HF generate() of that prompt alone.\n\n"
+        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy, {args.rounds} round(s); total "
+        f"new tokens per second (ours / HF, and tau: a row's new tokens per target pass it took part in, in parentheses). HF decodes the "
+        f"prompts in chunks of the batch size; ours keeps at most that many rows at once, a prompt joining as another finishes. The last "
+        f"column counts the first {len(alone)} rows identical to HF generate() of that prompt alone (in every round).\n\n"
     )
     table = "| batch | HF generate() batched | " + " | ".join(runs) + " | identical |\n|---|---|" + "---|" * len(runs) + "---|\n"
     for size, timings in rows:
         hf = timings["hf"][0]
         cells = " | ".join(f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x, tau {timings[name][2]:.2f})" for name in runs)
-        same = ", ".join(f"{sum(a == b for a, b in zip(timings[name][1], alone))}/{len(alone)}" for name in runs)
+        same = ", ".join(f"{identical_rows(timings[name][1], alone, len(prompts))}/{len(alone)}" for name in runs)
         table += f"| {size} | {hf:.1f} | {cells} | {same} |\n"
     print("\n" + header + table)
     if args.out:
@@ -464,6 +472,7 @@ def main(argv=None):
     parser.add_argument(
         "--reference-rows", type=int, default=4, help="with --batch-sizes: how many first rows are compared with HF generate() of that prompt alone"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="with --batch-sizes: how many times every method decodes all the prompts, in turn")
     parser.add_argument("--merge", nargs="+", metavar="SHARD.json", help="instead of a run: merge the results of one run's shards (--shard K/N) into --out")
     args = parser.parse_args(argv)
     if args.merge:
@@ -472,6 +481,8 @@ def main(argv=None):
         parser.error("--no-context-vocab builds the heads' drafters with a fixed tree: add --tree fixed")
     if args.reference_rows < 1:
         parser.error(f"--reference-rows must be at least 1, got {args.reference_rows}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.batch_sizes:
         return batch_throughput(args, argv)
     if "hf" in args.methods and args.methods[0] != "hf":

@@ -88,16 +88,19 @@ def case(request):
 
 
 def test_every_row_matches_hf_greedy_alone(case):
-    """50 prompts of mixed lengths in batches of 1 to 8, every drafter; a float32 divergence passes only where it is
-    proven a near-tie of the target (a batched pass sums in another order), and rarely."""
+    """50 prompts of mixed lengths, every drafter: half in batches of 1 to 8, half in one call that decodes 4 at a
+    time (a prompt joins as another finishes). A float32 divergence passes only where it is proven a near-tie of
+    the target (a batched pass sums in another order), and rarely."""
     model, prompts, references = case
     mismatches, near_ties, finished_early = [], [], 0
-    sizes = [1, 8, 3, 5, 2, 7, 4, 6, 8, 6]  # sums to 50
+    calls = [(1, None), (8, None), (3, None), (5, None), (2, None), (6, None), (25, 4)]  # (prompts, batch_size)
     for name, (heads, tree) in heads_for(model).items():
         start = 0
-        for size in sizes:
+        for size, batch_size in calls:
             batch = slice(start, start + size)
-            outs = generate(model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
+            outs = generate(
+                model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False, batch_size=batch_size
+            )
             assert len(outs) == size
             for offset, (out, reference) in enumerate(zip(outs, references[batch])):
                 finished_early += len(reference) < NEW_TOKENS
@@ -134,6 +137,8 @@ def test_sampling_rows_are_seeded_as_alone():
     # the draws a step makes depend on its tree, so both sides draft at every step (the fallback's choice is timed)
     together = generate(model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False)
     assert [o.token_ids for o in together] == alone
+    in_turn = generate(model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False, batch_size=2)
+    assert [o.token_ids for o in in_turn] == alone
 
 
 def test_bad_batches_are_refused_clearly():
@@ -142,6 +147,9 @@ def test_bad_batches_are_refused_clearly():
         generate(model, None, [])
     with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
         generate(model, None, [[5, 6], []])
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            generate(model, None, [[5, 6], [7]], batch_size=bad)
     eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
     from inference import EagleDrafter
 
@@ -161,27 +169,28 @@ def test_prefill_groups_keep_padding_small():
 def test_a_batch_drafts_what_each_row_drafts_alone(kind):
     """The batched drafter (one ragged draft cache, one head pass a level for all rows) against one drafter per
     row: the same head state for every row and the same trees, after rows of different lengths observed different
-    numbers of tokens and one row left the batch."""
+    numbers of tokens, one row left the batch and another joined it."""
     from inference.drafters import as_drafter
 
     model = tiny_model("llama", eos=None)
     heads, tree = heads_for(model)[kind]
     prompts = random_prompts(model.config.vocab_size, 3, seed=9)
+    prompts.append(torch.randint(4, 90, (70,), generator=torch.Generator().manual_seed(3)))  # longer than the others
     texts = [p.clone() for p in prompts]
     batch = as_drafter(heads, model, tree)
     alone = [as_drafter(heads, model, tree) for _ in prompts]
-    batch.reset(len(prompts))
+    batch.reset(3)
 
-    def observe(rows, counts, first=False):
-        """Each row commits counts[row] tokens; the drafters see the target's states that produced them (after the
-        prefill: the whole prompt's)."""
+    def observe(rows, counts, first=()):
+        """Each row commits counts[row] tokens; the drafters see the target's states that produced them (for the
+        rows in `first`, just prefilled: the whole prompt's)."""
         hidden, tokens = [], []
         for row, count in zip(rows, counts):
             old = texts[row].shape[0]
             texts[row] = torch.cat([texts[row], torch.randint(4, 90, (count,), generator=torch.Generator().manual_seed(row + 10 * count))])
             with torch.no_grad():
                 states = model(texts[row][None], output_hidden_states=True).hidden_states
-            start, end = 0 if first else old - 1, old - 1 + count
+            start, end = 0 if row in first else old - 1, old - 1 + count
             hidden.append({layer: states[layer][0, start:end] for layer in batch.hidden_layers})
             tokens.append(texts[row][start + 1 : end + 1])
         batch.observe_rows(hidden, tokens)
@@ -197,10 +206,16 @@ def test_a_batch_drafts_what_each_row_drafts_alone(kind):
                 if kind != "medusa":
                     torch.testing.assert_close(batch.last[slot], alone[row].last[0], atol=1e-5, rtol=1e-4)
 
-    observe([0, 1, 2], [1, 1, 1], first=True)  # the prefill
+    observe([0, 1, 2], [1, 1, 1], first=(0, 1, 2))  # the prefill
     compare([0, 1, 2])
     observe([0, 1, 2], [1, 4, 2])  # each row accepted a different number of tokens
     compare([0, 1, 2])
     batch.keep_rows([0, 2])  # row 1 finished
     observe([0, 2], [3, 1])
     compare([0, 2])
+    batch.keep_rows([0, 1])  # both go on (slots, not prompts)
+    batch.add_rows(1)  # prompt 3 joins, its prompt longer than what the others' caches hold
+    observe([0, 2, 3], [2, 1, 1], first=(3,))
+    compare([0, 2, 3])
+    observe([0, 2, 3], [1, 3, 2])
+    compare([0, 2, 3])

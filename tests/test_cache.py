@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from inference.cache import keep_path, keep_paths, keep_rows, new_cache, position_cache
+from inference.cache import append_rows, keep_path, keep_paths, keep_rows, new_cache, position_cache
 
 
 def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
@@ -50,6 +50,17 @@ def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
     reference.crop(-7)
     update(2, 4)
     same()
+    joining = [entries(1, 500) for _ in range(2)]  # a longer sequence joins the batch
+    append_rows(ours, [keys for keys, _ in joining], [values for _, values in joining])
+    length = reference.get_seq_length()
+    for layer, (keys, values) in enumerate(joining):
+        assert ours.layers[layer].keys.shape == (3, 2, 500, 4)
+        assert torch.equal(ours.layers[layer].keys[:2, :, :length], reference.layers[layer].keys)
+        assert (ours.layers[layer].keys[:2, :, length:] == 0).all()  # the shorter rows padded with empty entries
+        assert torch.equal(ours.layers[layer].keys[2:], keys) and torch.equal(ours.layers[layer].values[2:], values)
+    for layer in range(2):  # the next pass writes after them
+        ours.update(*entries(3, 5), layer)
+    assert ours.get_seq_length() == 505
 
 
 def test_a_single_sequence_keeps_its_path_in_place():

@@ -18,7 +18,7 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     spec = DynamicTreeSpec(depth=3, top_k=2, nodes=6)
     cost = calibrate.load_or_measure(model, head, spec)
     assert cost.tokens[0] == 1 and cost.relative[0] == 1.0 and len(cost.tokens) == len(calibrate.TOKEN_COUNTS)
-    assert all(c > 0 for c in cost.relative) and cost.draft_level > 0
+    assert all(c > 0 for c in cost.relative) and cost.draft_level > 0 and cost.draft_step >= 0
     [saved] = tmp_path.glob("*.json")
     assert json.loads(saved.read_text())["one_token_pass_ms"] > 0
     saved.write_text(json.dumps({**json.loads(saved.read_text()), "relative": [1.0] + [9.0] * (len(cost.tokens) - 1)}))

@@ -52,6 +52,11 @@ def test_each_row_drafts_only_the_tokens_it_has_seen():
     assert vocab.ids.tolist() == [2, 5, 4, 9, 13] and context.unseen[1].tolist() == [False, False, False, False, True]
     context.keep_rows([1])  # row 0 finished: row 1 still may not draft 13
     assert context.unseen.tolist() == [[False, False, False, False, True]]
+    context.add_rows(1)  # a new row joins: the vocabulary is rebuilt from the live rows' tokens, without 13
+    assert context.current.ids.tolist() == [2, 5, 4, 9]
+    vocab = context.read_texts([torch.tensor([4, 9, 5, 5]), torch.tensor([7, 2])])
+    assert vocab.ids.tolist() == [2, 5, 4, 9, 7]
+    assert context.unseen.tolist() == [[False, False, False, False, True], [False, False, True, True, False]]
     context.reset()
     assert context.current.ids.tolist() == [2, 5] and context.unseen is None
 

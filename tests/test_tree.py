@@ -184,6 +184,14 @@ def test_best_node_count_keeps_what_pays_for_itself():
     assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0
 
 
+def test_what_every_step_pays_weighs_for_larger_trees():
+    """A draft that does not pay for its verification alone pays once the step costs more whatever it verifies
+    (the head reading what the last step committed): it spreads that cost over more tokens."""
+    doubtful = torch.log(torch.tensor([0.3]))
+    assert best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35)), 0.0, limit=1) == 0  # 1.3 / 1.35 < 1
+    assert best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35), draft_step=1.0), 0.0, limit=1) == 1  # 1.3 / 2.35 > 1 / 2
+
+
 def test_a_batch_prices_one_width_for_all_its_rows():
     """Every row is padded to the widest tree, so one row's likely drafts pay for the width and every row fills it."""
     confident = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6]))
