@@ -172,6 +172,7 @@ def decode_batch(
             started = time.perf_counter()
             drafter.add_rows(len(joined))
             draft_seconds += time.perf_counter() - started
+            plain.prompt_joined()
         if not active:
             break
         started = time.perf_counter()

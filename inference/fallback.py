@@ -33,6 +33,10 @@ class Fallback:
             self.plain_left = 1  # price plain decoding once
         return self.plain_left == 0
 
+    def prompt_joined(self) -> None:
+        """A prompt joined the batch: the next drafted step also feeds the drafter that whole prompt, so it is not timed."""
+        self.warm = False
+
     def record(self, drafted: bool, tokens: float, seconds: float) -> None:
         if not self.enabled:
             return

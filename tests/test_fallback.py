@@ -32,6 +32,20 @@ def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     assert taken.count("D") <= 12
 
 
+def test_a_step_that_reads_a_joining_prompt_is_not_timed():
+    """A prompt joining a batch makes the next drafted step feed the drafter the whole prompt: slow, and no sign
+    that drafting stopped paying."""
+    fallback = Fallback(judge=2)
+    for _ in range(3):  # the untimed first step, then two that pay: 3 tokens in 1 s
+        fallback.record(fallback.use_drafter(), 3, 1.0)
+    assert not fallback.use_drafter()  # one plain step prices plain decoding: 1 token in 0.9 s
+    fallback.record(False, 1, 0.9)
+    fallback.prompt_joined()
+    assert fallback.use_drafter()
+    fallback.record(True, 3, 30.0)  # the step that read the prompt
+    assert fallback.use_drafter() and fallback.plain_left == 0
+
+
 def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
     fallback, taken = Fallback(judge=4), ""
     for _ in range(60):  # drafted steps take 2 s and commit 1, 1, then 6 tokens; a plain step commits 1 in 1 s
