@@ -221,9 +221,10 @@ def decode_batch(
                 observed.append({layer: out.hidden_states[layer][slot, path] for layer in drafter.hidden_layers})
                 committed.append(new)
         cached = keep_paths(cache, cached, length, paths)
-        started = time.perf_counter()
-        drafter.keep_rows(slots)
-        draft_seconds += time.perf_counter() - started
+        if len(slots) < len(active):  # keeping every row would copy the draft cache for nothing
+            started = time.perf_counter()
+            drafter.keep_rows(slots)
+            draft_seconds += time.perf_counter() - started
         # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
         plain.record(drafting, (sum(ends[row] for row in active) - step_tokens) / len(active), time.perf_counter() - step_started)
         active, cached = _shrink(cache, active, still, cached)
