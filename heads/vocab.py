@@ -42,7 +42,7 @@ class DraftVocabulary:
         self.base_size = weight.shape[0]  # rows past it were added by `extended`
         # a reduced vocabulary over the target's own rows can take any target token back; a head's own rows cannot
         self._target_rows = None if own_rows or draft_ids is None else (lm_head.weight, getattr(lm_head, "bias", None))
-        self.member = None
+        self.member, self._rows = None, None
         if self._target_rows is not None:
             self.member = torch.zeros(self.target_size, dtype=torch.bool, device=draft_ids.device)
             self.member[draft_ids] = True
@@ -62,9 +62,26 @@ class DraftVocabulary:
         if new.numel() == 0:
             return self
         weight, bias = self._target_rows
+        size, grown_size = self.weight.shape[0], self.weight.shape[0] + new.numel()
+        rows = self._rows
+        # Rows are appended in place, after this vocabulary's, when it is the newest one grown in its buffer and
+        # the buffer has room; otherwise (the base vocabulary, or an older one grown again) into a new buffer
+        # with room to spare. A sequence grows its vocabulary by a few tokens most steps: copying every row each
+        # time cost more than the projection itself.
+        # (An inference tensor cannot be written outside inference mode: a vocabulary grown inside generate() and
+        # again outside it takes a new buffer.)
+        stale = rows is not None and rows.weight.is_inference() and not torch.is_inference_mode_enabled()
+        with torch.no_grad():  # the target's rows: constants to a drafter
+            if rows is None or stale or rows.used != size or rows.weight.shape[0] < grown_size:
+                rows = _Rows(self.weight, self.bias, grown_size + max(256, grown_size // 8))
+            rows.weight[size:grown_size] = weight[new]
+            if bias is not None:
+                rows.bias[size:grown_size] = bias[new]
+        rows.used = grown_size
         grown = copy.copy(self)
-        grown.ids, grown.weight = torch.cat([self.ids, new]), torch.cat([self.weight, weight[new]])
-        grown.bias = None if bias is None else torch.cat([self.bias, bias[new]])
+        grown._rows, grown.ids = rows, torch.cat([self.ids, new])
+        grown.weight = rows.weight[:grown_size]
+        grown.bias = None if bias is None else rows.bias[:grown_size]
         grown.member = self.member.clone()
         grown.member[new] = True
         return grown
@@ -95,6 +112,20 @@ class DraftVocabulary:
         index = torch.full((self.target_size,), missing, dtype=torch.long, device=token_ids.device)
         index[self.ids] = torch.arange(self.ids.shape[0], device=token_ids.device)
         return index[token_ids]
+
+
+class _Rows:
+    """A buffer of projection rows with room to grow: the first `used` rows are taken, the first ones copied
+    from `weight` (and `bias`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, capacity: int):
+        self.used = weight.shape[0]
+        self.weight = weight.new_empty(capacity, weight.shape[1])
+        self.weight[: self.used] = weight
+        self.bias = None
+        if bias is not None:
+            self.bias = bias.new_empty(capacity)
+            self.bias[: self.used] = bias
 
 
 def most_frequent_tokens(sequences: Iterable[list[int]], size: int, vocab_size: int) -> tuple[torch.Tensor, int, int]:

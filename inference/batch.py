@@ -20,35 +20,20 @@ from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_token
 from .cache import append_rows, keep_paths, keep_rows, new_cache
 from .drafters import drafter_name
 from .fallback import Fallback
+from .padding import prefill_groups, right_padded_mask
 from .tree import Tree, additive_mask, verifiable_tree
 
 
 def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dtype):
     """Right-padded prompts: input_ids [B, P], position_ids [B, P] and an additive mask [B, 1, P, P] (causal
     within each prompt; a padding position sees only itself)."""
-    lengths = torch.tensor([p.shape[0] for p in prompts])
+    lengths = torch.tensor([p.shape[0] for p in prompts], device=prompts[0].device)
     width = int(lengths.max())
-    device = prompts[0].device
-    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=device)
+    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=lengths.device)
     for row, prompt in enumerate(prompts):
         ids[row, : prompt.shape[0]] = prompt
-    index = torch.arange(width, device=device)
-    real = index[None, :] < lengths.to(device)[:, None]  # [B, P]
-    allowed = (index[None, :, None] >= index[None, None, :]) & real[:, None, :] & real[:, :, None]
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)[None]
-    return ids, index.expand(len(prompts), -1), additive_mask(allowed, dtype)[:, None]
-
-
-def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
-    """Rows prefilled in one pass together: longest first, a group grows while its padding stays within `waste`
-    of its real tokens (one long prompt would otherwise make every row of the batch compute its length)."""
-    groups: list[list[int]] = []
-    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + waste) * (sum(lengths[r] for r in groups[-1]) + lengths[row]):
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
+    positions = torch.arange(width, device=lengths.device).expand(len(prompts), -1)
+    return ids, positions, right_padded_mask(lengths, width, dtype)
 
 
 def prefill(model, prompts: list[torch.Tensor], pad_token: int, hidden_layers: tuple[int, ...]):

@@ -23,6 +23,7 @@ from heads.config import check_feature_layers
 
 from .cache import append_rows, keep_paths, keep_rows, position_cache
 from .context_vocab import ContextVocabulary
+from .padding import prefill_groups, right_padded_mask
 from .tree import (
     MAX_TOP_K,
     DynamicTreeSpec,
@@ -321,29 +322,64 @@ class DynamicTreeDrafter:
         raise NotImplementedError
 
     def _append(self, counts: list[int], run) -> None:
-        """Append counts[b] committed entries to each row's cache in ONE pass: `run(positions [rows, W], mask)`
-        runs the head over the right-padded block [rows, W = max(counts)] (mask None: all rows aligned, causal);
-        each row's entries then move to its own end, and `self.last` becomes each row's newest output."""
+        """Append counts[b] committed entries to each row's cache. `run(rows, positions [R, W], mask, cache)` runs
+        the head over rows `rows` (slice(None): all) of the right-padded block [rows, W], W = positions.shape[1],
+        writing to `cache` (mask None: the rows aligned, causal); each row's entries then sit at its own end, and
+        `self.last` becomes each row's newest output.
+
+        A row with nothing cached yet reads its whole prompt: such rows read in their own passes, grouped by
+        length as the target's prefill is, not padded to the prompt length together with rows reading a few tokens.
+        """
         width = max(counts)
         if width == 0:
             return
         start, device = self.cache.get_seq_length(), self.vocab.weight.device
-        lengths = torch.tensor(self.lengths, device=device)
         index = torch.arange(width, device=device)
         if all(n == start for n in self.lengths) and all(c == width for c in counts):
-            out = run((lengths[:, None] + index).contiguous(), None)  # a single sequence always lands here
+            lengths = torch.tensor(self.lengths, device=device)
+            out = run(slice(None), (lengths[:, None] + index).contiguous(), None, self.cache)  # a single sequence always lands here
             self.lengths, self.last = [n + width for n in self.lengths], out[:, -1]
             return
+        fresh = [row for row, count in enumerate(counts) if count and not self.lengths[row]]
+        for group in prefill_groups([counts[row] for row in fresh]):
+            self._read_prompts([fresh[slot] for slot in group], counts, run)
+        counts = [0 if row in fresh else count for row, count in enumerate(counts)]
+        width = max(counts)
+        if width == 0:
+            return
+        start, lengths, index = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device), index[:width]
         real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
         committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
         causal = index[:, None] >= index[None, :]
         allowed = torch.cat([committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2)
         allowed[:, index, start + index] = True  # a padding entry sees only itself
-        out = run(lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None])
+        out = run(slice(None), lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None], self.cache)
         self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
         newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
         moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
-        self.last = newest if self.last is None else torch.where(moved, newest, self.last)
+        self.last = torch.where(moved, newest, self.last)
+
+    def _read_prompts(self, rows: list[int], counts: list[int], run) -> None:
+        """Rows with nothing cached read their first counts[row] entries in one pass of their own (a cache of their
+        own, no past to attend to), which then fill the first entries of their rows of the draft cache."""
+        device = self.vocab.weight.device
+        lengths = torch.tensor([counts[row] for row in rows], device=device)
+        width = int(lengths.max())
+        own = position_cache()
+        positions = torch.arange(width, device=device).expand(len(rows), -1)
+        out = run(torch.tensor(rows, device=device), positions, right_padded_mask(lengths, width, self.vocab.weight.dtype), own)
+        total, missing = len(self.lengths), width - self.cache.get_seq_length()
+        for layer, entries in enumerate(own.layers):
+            if missing > 0:  # the cache grows to take them (every row: stale entries for the others, masked off)
+                shape = (total, entries.keys.shape[1], missing, entries.keys.shape[3])
+                self.cache.update(entries.keys.new_zeros(shape), entries.values.new_zeros(shape), layer)
+            self.cache.layers[layer].keys[rows, :, :width] = entries.keys
+            self.cache.layers[layer].values[rows, :, :width] = entries.values
+        if self.last is None:
+            self.last = out.new_zeros(total, out.shape[-1])
+        self.last[rows] = out[torch.arange(len(rows), device=device), lengths - 1]
+        for row in rows:
+            self.lengths[row] = counts[row]
 
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return self.context.log_probs(self.vocab.logits(outputs))
@@ -546,7 +582,14 @@ class EagleDrafter(DynamicTreeDrafter):
         copy_embeds = copy_embedding(self.embed, copies) if copy_input else None
         self._append(
             counts,
-            lambda positions, mask: self.head(features, self.embed(next_tokens), copy_embeds, position_ids=positions, attention_mask=mask, cache=self.cache),
+            lambda rows, positions, mask, cache: self.head(
+                features[rows, : positions.shape[1]],
+                self.embed(next_tokens[rows, : positions.shape[1]]),
+                None if copy_embeds is None else copy_embeds[rows, : positions.shape[1]],
+                position_ids=positions,
+                attention_mask=mask,
+                cache=cache,
+            ),
         )
 
     def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -598,7 +641,9 @@ class EarlyExitDrafter(DynamicTreeDrafter):
         new = torch.zeros(len(texts), max(counts), dtype=torch.long, device=texts[0].device)  # padding reads token 0, masked off
         for row, (text, length) in enumerate(zip(texts, self.lengths)):
             new[row, : text.shape[0] - length] = text[length:]
-        self._append(counts, lambda positions, mask: self.head(new, position_ids=positions, attention_mask=mask, cache=self.cache))
+        self._append(
+            counts, lambda rows, positions, mask, cache: self.head(new[rows, : positions.shape[1]], position_ids=positions, attention_mask=mask, cache=cache)
+        )
 
     def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.head(nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache)

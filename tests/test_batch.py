@@ -158,7 +158,7 @@ def test_bad_batches_are_refused_clearly():
 
 
 def test_prefill_groups_keep_padding_small():
-    from inference.batch import prefill_groups
+    from inference.padding import prefill_groups
 
     assert prefill_groups([50, 52, 400, 48]) == [[2], [1, 0, 3]]  # the long prompt alone, the short ones together
     assert prefill_groups([10, 10, 10]) == [[0, 1, 2]]
@@ -176,6 +176,7 @@ def test_a_batch_drafts_what_each_row_drafts_alone(kind):
     heads, tree = heads_for(model)[kind]
     prompts = random_prompts(model.config.vocab_size, 3, seed=9)
     prompts.append(torch.randint(4, 90, (70,), generator=torch.Generator().manual_seed(3)))  # longer than the others
+    prompts.append(torch.randint(4, 90, (3,), generator=torch.Generator().manual_seed(4)))  # shorter than any
     texts = [p.clone() for p in prompts]
     batch = as_drafter(heads, model, tree)
     alone = [as_drafter(heads, model, tree) for _ in prompts]
@@ -214,8 +215,8 @@ def test_a_batch_drafts_what_each_row_drafts_alone(kind):
     observe([0, 2], [3, 1])
     compare([0, 2])
     batch.keep_rows([0, 1])  # both go on (slots, not prompts)
-    batch.add_rows(1)  # prompt 3 joins, its prompt longer than what the others' caches hold
-    observe([0, 2, 3], [2, 1, 1], first=(3,))
-    compare([0, 2, 3])
-    observe([0, 2, 3], [1, 3, 2])
-    compare([0, 2, 3])
+    batch.add_rows(2)  # prompts 3 and 4 join: one longer than what the others' caches hold, one shorter
+    observe([0, 2, 3, 4], [2, 1, 1, 1], first=(3, 4))
+    compare([0, 2, 3, 4])
+    observe([0, 2, 3, 4], [1, 3, 2, 2])
+    compare([0, 2, 3, 4])

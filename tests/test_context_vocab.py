@@ -27,6 +27,22 @@ def test_extended_appends_the_new_tokens_rows_from_the_target():
     assert grown.extended(torch.tensor([2, 3])) is grown  # nothing new: no copy
 
 
+def test_vocabularies_grown_from_one_another_keep_their_own_rows():
+    """Rows are appended in place after the newest vocabulary's; growing an older one again must not overwrite
+    what a newer one holds (nor the base's)."""
+    torch.manual_seed(0)
+    projection = torch.nn.Linear(4, 20)  # with a bias, grown alike
+    base = DraftVocabulary(projection, torch.tensor([2, 5, 7]))
+    first = base.extended(torch.tensor([3]))
+    second = first.extended(torch.tensor([11]))  # the newest: its row is written in place after first's
+    other = first.extended(torch.tensor([13, 1]))  # first grown again: must not land where 11's row is
+    again = base.extended(torch.tensor([9]))
+    for vocab, ids in [(base, [2, 5, 7]), (first, [2, 5, 7, 3]), (second, [2, 5, 7, 3, 11]), (other, [2, 5, 7, 3, 1, 13]), (again, [2, 5, 7, 9])]:
+        assert vocab.ids.tolist() == ids
+        assert torch.equal(vocab.weight, projection.weight[ids]), ids
+        assert torch.equal(vocab.bias, projection.bias[ids]), ids
+
+
 def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
     projection = lm_head()
     assert not DraftVocabulary(projection).extensible  # the whole vocabulary already
