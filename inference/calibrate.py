@@ -33,8 +33,9 @@ from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-MEASUREMENT_VERSION = 4  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
-# values copied for every query head; a batch's widths measured sparsely) are measured again
+MEASUREMENT_VERSION = 5  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+# values copied for every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned)
+# are measured again
 # Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
 # products run in blocks of rows: at 8 rows a bfloat16 pass over 3 tokens a row cost what one over 4 did (Xeon, AMX),
 # 7 what 8 did, so an interpolated cost at 5 or 7 would buy widths that waste a block.
@@ -100,8 +101,8 @@ def measure(
 def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    steps = 2 * (repeats + 1)  # drafting steps measured, each committing one more token a row
-    tokens = torch.randint(vocab, (batch, context + 1 + steps), generator=generator).to(model.device)
+    steps = 2 * (repeats + 1)  # drafting steps measured, each committing one to three more tokens a row
+    tokens = torch.randint(vocab, (batch, context + 1 + 3 * steps), generator=generator).to(model.device)
     cache = new_cache(model)  # holds `context` tokens a row; the last token is the root of every draft
     prefill = model(input_ids=tokens[:, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
 
@@ -128,15 +129,20 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
         drafter.observe_rows(
             [{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1 : context + 1])
         )
-        newest = [{layer: prefill.hidden_states[layer][row, -1:] for layer in drafter.hidden_layers} for row in range(batch)]
-        read = [context]  # tokens the drafter has read; the text holds one more, the root
+        newest = {layer: prefill.hidden_states[layer][:, -1:] for layer in drafter.hidden_layers}
+        read = [context] * batch  # tokens each row's drafter has read; its text holds one more, the root
+        step = [0]
 
         def draft(depth: int) -> None:
-            """A step as generate() makes it: the head reads the token committed last (its hidden state stands in for
-            the target's, which only sets the numbers), then drafts `depth` levels."""
-            drafter.observe_rows(newest, list(tokens[:, read[0] + 1 : read[0] + 2]))
-            drafter.propose_rows(list(tokens[:, : read[0] + 2]), [depth] * batch)
-            read[0] += 1
+            """A step as generate() makes it: the head reads the tokens the last step committed, one to three a row
+            as accepted paths are (so the rows' lengths drift apart as a batch's do; the newest hidden state
+            stands in for the target's, which only sets the numbers), then drafts `depth` levels."""
+            counts = [1 + (row + step[0]) % 3 for row in range(batch)]
+            hidden = [{layer: states[row].expand(count, -1) for layer, states in newest.items()} for row, count in enumerate(counts)]
+            drafter.observe_rows(hidden, [tokens[row, done + 1 : done + 1 + count] for row, (done, count) in enumerate(zip(read, counts))])
+            read[:] = [done + count for done, count in zip(read, counts)]
+            drafter.propose_rows([tokens[row, : done + 1] for row, done in enumerate(read)], [depth] * batch)
+            step[0] += 1
 
         if spec.depth == 1:
             draft_level = median_seconds(lambda: draft(1), repeats) / seconds[0]

@@ -35,6 +35,7 @@ from .tree import (
     best_node_count,
     best_shared_tree,
     likeliest_paths,
+    matched_depth,
     merge_trees,
     select_best_nodes,
     static_tree,
@@ -218,6 +219,7 @@ cached_static_tree = functools.lru_cache(maxsize=4096)(static_tree)  # a step's 
 
 
 RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
+MAX_RELIABILITY = 2.0  # an underconfident head's probabilities are at most doubled
 MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)
 
 
@@ -266,8 +268,9 @@ class DynamicTreeDrafter:
         return {
             "lengths": [0] * count,  # committed entries in the draft cache
             "levels": [self.spec.depth] * count,  # with a measured cost: how deep the row's next tree may grow
-            # How far the drafter's probabilities hold on each sequence: decayed sums of its top depth-1 draft's
-            # probability and of how often the target then chose that token (a prior of one right guess).
+            # How far the drafter's probabilities hold on each sequence: decayed sums of the drafts its trees were
+            # expected to get accepted (the kept nodes' probabilities) and of those the target then committed (a prior
+            # of one expected and one accepted). "guesses": the last tree kept, till the target's answer to it.
             "guesses": [None] * count,
             "expected": [1.0] * count,
             "realised": [1.0] * count,
@@ -286,8 +289,9 @@ class DynamicTreeDrafter:
             getattr(self, name).extend(fresh)
 
     def reliability(self, row: int = 0) -> float:
-        """Observed over predicted acceptance of the drafter's best depth-1 draft on this row, at most 1."""
-        return min(1.0, self.realised[row] / self.expected[row])
+        """Accepted over expected drafts of this row's recent trees (at most MAX_RELIABILITY): below 1 an
+        overconfident head, above 1 an underconfident one, whose probabilities would keep trees too small."""
+        return min(MAX_RELIABILITY, self.realised[row] / self.expected[row])
 
     def observe(self, hidden, next_tokens) -> None:
         self.observe_rows([hidden], [next_tokens])
@@ -298,10 +302,10 @@ class DynamicTreeDrafter:
     def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
         """`observe` for every row at once."""
         for row, tokens in enumerate(next_tokens):
-            if self.guesses[row] is not None:  # tokens[0] is what the target chose at the root
-                token, probability = self.guesses[row]
-                self.expected[row] = RELIABILITY_DECAY * self.expected[row] + probability
-                self.realised[row] = RELIABILITY_DECAY * self.realised[row] + float(int(tokens[0]) == token)
+            if self.guesses[row] is not None:  # tokens: what the target committed after the root
+                tree_tokens, parents, expected = self.guesses[row]
+                self.expected[row] = RELIABILITY_DECAY * self.expected[row] + expected
+                self.realised[row] = RELIABILITY_DECAY * self.realised[row] + matched_depth(tree_tokens, parents, tokens.tolist())
                 self.guesses[row] = None
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -418,7 +422,7 @@ class DynamicTreeDrafter:
         return trees
 
     def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
-        """Row `row`'s first `count` drafts' log-probabilities, discounted when the drafter is overconfident."""
+        """Row `row`'s first `count` drafts' log-probabilities, scaled by how far they have held (reliability)."""
         return nodes.scores[row, 1:count] + math.log(max(self.reliability(row), 1e-6))
 
     def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
@@ -439,7 +443,6 @@ class DynamicTreeDrafter:
             return root_only(nodes.tokens[row, :1])
         count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
-        self.guesses[row] = (int(nodes.tokens[row, 1]), float(scores[1].exp()))  # the best depth-1 draft (topk is sorted)
         keep_count = self.spec.nodes
         if width is not None:
             keep_count = width
@@ -447,9 +450,11 @@ class DynamicTreeDrafter:
             cost = self.spec.cost
             keep_count = best_node_count(self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes)
         keep = select_best_nodes(scores, depth, keep_count)
+        tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
+        self.guesses[row] = (tree.tokens.tolist(), tree.parents.tolist(), float(scores[keep[1:]].exp().sum()))  # EAGLE-2's expected acceptance
         if width is None and self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
             self.levels[row] = min(self.spec.depth, int(depth[keep].max()) + 1)
-        return subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
+        return tree
 
 
 class DraftNodes:

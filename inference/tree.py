@@ -171,6 +171,19 @@ def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:
     return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
 
 
+def matched_depth(tokens: list[int], parents: list[int], committed: list[int]) -> int:
+    """How many of the `committed` tokens (what the target chose after the root, in order) a tree (its nodes'
+    tokens and parents, the root first) holds as a path from its root: the drafts it got accepted."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if parent >= 0}
+    node, depth = 0, 0
+    for token in committed:
+        node = children.get((node, token))
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where attention is allowed, the dtype's minimum elsewhere.
 

@@ -1,6 +1,7 @@
 """The EAGLE drafter's incremental state (its own KV cache, tree attention inside the head) equals a
 from-scratch recomputation of the head: what it drafts is what the head would draft."""
 
+import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
@@ -146,6 +147,23 @@ def test_an_overconfident_head_is_discounted():
     assert drafter.reliability() < 0.5
     drafter.reset()
     assert drafter.reliability() == 1.0
+
+
+def test_an_underconfident_head_is_trusted_more():
+    """Trees that get more drafts accepted than their probabilities promised scale those probabilities up (to at
+    most MAX_RELIABILITY), so the drafter keeps the larger trees they pay for."""
+    from inference.drafters import MAX_RELIABILITY
+
+    model = tiny_model("llama", eos=None)
+    drafter = EagleDrafter(EagleHead(EagleConfig.for_target(model.config)).eval(), model, DynamicTreeSpec(depth=2, top_k=2, nodes=3))
+    hidden = {layer: torch.zeros(3, model.config.hidden_size) for layer in drafter.hidden_layers}
+    drafter.guesses[0] = ([7, 3, 4, 5], [-1, 0, 0, 1], 1.0)  # a tree expected to get one draft accepted
+    drafter.observe(hidden, torch.tensor([3, 5, 9]))  # it got two: 3, then 5 below it (9 the target's own)
+    assert drafter.reliability() == pytest.approx((0.9 + 2) / (0.9 + 1.0))  # decayed sums over a prior of one and one
+    for _ in range(5):
+        drafter.guesses[0] = ([7, 3, 4, 5], [-1, 0, 0, 1], 0.1)
+        drafter.observe(hidden, torch.tensor([3, 5, 9]))
+    assert drafter.reliability() == MAX_RELIABILITY
 
 
 def three_token_head():

@@ -15,6 +15,7 @@ from inference.tree import (
     chain_paths,
     check_parents,
     default_accuracy,
+    matched_depth,
     merge_trees,
     position_ids,
     retrieve_indices,
@@ -134,6 +135,15 @@ def test_merge_holds_every_path_of_both_once(a, b):
     assert root_to_node_paths(merged) == root_to_node_paths(ta) | root_to_node_paths(tb)
     # only nodes of the second tree that duplicate nothing are added
     assert merged.size <= ta.size + tb.size - 1
+
+
+def test_matched_depth_follows_the_committed_tokens_down_the_tree():
+    # root 7; children 3 (node 1) and 4 (node 2); 3 -> 5 (node 3); 4 -> 5 (node 4)
+    tokens, parents = [7, 3, 4, 5, 5], [-1, 0, 0, 1, 2]
+    assert matched_depth(tokens, parents, [4, 5, 9]) == 2  # both drafts on the 4 branch, then the bonus token
+    assert matched_depth(tokens, parents, [3, 6]) == 1
+    assert matched_depth(tokens, parents, [5]) == 0  # a token deeper in the tree, but not a child of the root
+    assert matched_depth([7], [-1], [3, 4]) == 0
 
 
 def test_merge_refuses_different_roots():
