@@ -4,7 +4,8 @@ A drafted step verifies several tokens and may accept several; a plain step veri
 Which is faster depends on the hardware, the dtype and how often this head is right on this text, so the
 loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
 committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed).
-One plain step early on prices plain decoding. While the recent drafted steps (at least `judge`
+`price` plain steps early on price plain decoding (one for a single sequence, whose call is short; a batch
+takes two, as a step's time is noisy and the batch runs long). While the recent drafted steps (at least `judge`
 of them: acceptance comes in bursts, and a few unlucky steps say little) commit fewer tokens per second than
 plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting loses again, up to
 `max_hold`), then drafts `judge` steps to look again.
@@ -18,8 +19,8 @@ JUDGE = 8  # drafted steps timed before drafting is judged (a batch's step count
 
 
 class Fallback:
-    def __init__(self, enabled: bool = True, window: int = 16, judge: int = JUDGE, hold: int = 8, max_hold: int = 64):
-        self.enabled, self.judge, self.first_hold, self.max_hold = enabled, judge, hold, max_hold
+    def __init__(self, enabled: bool = True, window: int = 16, judge: int = JUDGE, hold: int = 8, max_hold: int = 64, price: int = 1):
+        self.enabled, self.judge, self.first_hold, self.max_hold, self.price = enabled, judge, hold, max_hold, price
         self.hold = hold
         self.drafted: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
         self.plain: deque[tuple[float, float]] = deque(maxlen=window)
@@ -29,8 +30,8 @@ class Fallback:
     def use_drafter(self) -> bool:
         if not self.enabled:
             return True
-        if self.plain_left == 0 and not self.plain and len(self.drafted) >= self.judge:
-            self.plain_left = 1  # price plain decoding once
+        if self.plain_left == 0 and len(self.plain) < self.price and len(self.drafted) >= self.judge:
+            self.plain_left = self.price - len(self.plain)  # price plain decoding
         return self.plain_left == 0
 
     def prompt_joined(self) -> None:
@@ -48,7 +49,7 @@ class Fallback:
             return
         else:
             self.drafted.append((tokens, seconds))
-        if not self.plain or len(self.drafted) < self.judge:
+        if len(self.plain) < self.price or len(self.drafted) < self.judge:
             return
         if rate(self.drafted) < rate(self.plain):
             self.plain_left, self.hold = self.hold, min(2 * self.hold, self.max_hold)

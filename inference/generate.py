@@ -289,9 +289,10 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
-    # a batch's step tells as much about its drafter's guesses as `rows` steps of one sequence, but its time is
-    # one step's: judge it after fewer steps, yet never after one
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(2, JUDGE // rows))
+    # a batch's step tells as much about its drafter's guesses as `rows` steps of one sequence, but its time is one
+    # step's, and a step's time is noisy (a batch-8 step took 84 ms, the next 160): judge after fewer steps, yet
+    # never after fewer than four, against plain decoding priced over two steps
+    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(4, JUDGE // rows), price=2)
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows)
     seconds = time.perf_counter() - started
     results = []

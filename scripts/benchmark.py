@@ -385,12 +385,17 @@ def batch_throughput(args, argv) -> None:
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
-    alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # warm-up, and the reference rows
+    alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # the reference rows
+    # Warm-up, untimed: a process's first decoding of these prompts ran ~8% slower than the same one again (Xeon,
+    # batch 8), which would penalise whichever method comes first; every prompt, a few tokens, at the largest batch.
+    largest = max(args.batch_sizes)
+    for start in range(0, len(prompts), largest):
+        hf_batch(model, prompts[start : start + largest], 16)
     for run in runs.values():
-        generate(model, prompt_or_input_ids=prompts[:2], max_new_tokens=8, **run)
         if run.get("tree") is None and run["heads"] is not None:  # measured once per batch size and cached: not timed
             for size in args.batch_sizes:
                 calibrated_tree(model, run["heads"], batch=min(size, len(prompts)), verbose=True)
+        generate(model, prompt_or_input_ids=prompts, max_new_tokens=16, batch_size=largest, **run)
     rows = []
     progress = tqdm(total=len(args.batch_sizes) * args.rounds * (1 + len(runs)), desc="batch size x round x method")
     for size in args.batch_sizes:

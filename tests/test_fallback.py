@@ -32,6 +32,21 @@ def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     assert taken.count("D") <= 12
 
 
+def test_a_batch_prices_plain_decoding_over_two_steps():
+    """One plain step that happened to run fast must not stop drafting that pays (a batch's steps are noisy)."""
+
+    def taken(price: int) -> str:
+        fallback, plain_times, steps = Fallback(judge=4, price=price), iter([0.3] + [1.0] * 30), ""
+        for _ in range(30):  # drafted: 2 tokens in 1.2 s; plain: 1 token in 1 s, the first one in 0.3 s
+            drafting = fallback.use_drafter()
+            fallback.record(drafting, *((2, 1.2) if drafting else (1, next(plain_times))))
+            steps += "D" if drafting else "p"
+        return steps
+
+    assert taken(price=2) == "D" * 5 + "pp" + "D" * 23  # 2 tokens in 1.3 s: drafting goes on
+    assert taken(price=1).startswith("D" * 5 + "p" + "p" * 8)  # priced by the lucky step alone, drafting is held off
+
+
 def test_a_step_that_reads_a_joining_prompt_is_not_timed():
     """A prompt joining a batch makes the next drafted step feed the drafter the whole prompt: slow, and no sign
     that drafting stopped paying."""
