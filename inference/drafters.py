@@ -37,6 +37,7 @@ from .tree import (
     likeliest_paths,
     matched_depth,
     merge_trees,
+    next_depth,
     select_best_nodes,
     static_tree,
     subtree,
@@ -418,7 +419,7 @@ class DynamicTreeDrafter:
         levels, width = self._shared_tree(nodes, limits, k)
         trees = [self._select(nodes, row, min(limits[row], levels), max_depths[row], k, width) for row in range(rows)]
         if all(depth >= level for depth, level in zip(max_depths, self.levels)):  # not when a caller capped this step
-            self.levels = [min(self.spec.depth, levels + 1)] * rows  # next time, one level past what paid
+            self.levels = [next_depth(levels, deepest, self.spec.depth)] * rows
         return trees
 
     def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
@@ -446,14 +447,14 @@ class DynamicTreeDrafter:
         keep_count = self.spec.nodes
         if width is not None:
             keep_count = width
-        elif self.spec.cost is not None:  # keep what pays for itself; next time draft one level past it
+        elif self.spec.cost is not None:  # keep what pays for itself
             cost = self.spec.cost
             keep_count = best_node_count(self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes)
         keep = select_best_nodes(scores, depth, keep_count)
         tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
         self.guesses[row] = (tree.tokens.tolist(), tree.parents.tolist(), float(scores[keep[1:]].exp().sum()))  # EAGLE-2's expected acceptance
         if width is None and self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
-            self.levels[row] = min(self.spec.depth, int(depth[keep].max()) + 1)
+            self.levels[row] = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
         return tree
 
 

@@ -378,6 +378,14 @@ def likeliest_paths(probability: Sequence[Sequence[float]], nodes: int, cost: Pa
     return sized_static_paths(probability, cost, nodes) if cost is not None else best_static_paths(nodes, probability)
 
 
+def next_depth(kept: int, drafted: int, limit: int) -> int:
+    """How many levels the next step drafts, after one that drafted `drafted` levels and kept drafts `kept` deep:
+    one level more when the deepest level drafted paid for itself (was kept), else as deep as what was kept (at
+    least one level, at most `limit`). Drafting one level past what was kept at every step cost a level that
+    was thrown away at most steps (5% of a batch-8 step's time on MT-Bench prompts)."""
+    return min(limit, kept + 1 if kept >= drafted else max(kept, 1))
+
+
 MAX_TOP_K, MAX_NODES = 64, 1024  # a verification pass over more tokens than this costs more than it can save
 
 
@@ -386,8 +394,8 @@ class DynamicTreeSpec:
     """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts.
 
     With a measured `cost`, each step keeps only as many drafts as pay for their verification, and drafts
-    only one level deeper than it kept last time: when acceptance collapses, the tree shrinks toward
-    plain decoding instead of costing more than it saves.
+    no deeper than it kept last time, one level deeper when its deepest level paid (next_depth): when
+    acceptance collapses, the tree shrinks toward plain decoding instead of costing more than it saves.
     """
 
     depth: int = 5

@@ -17,6 +17,7 @@ from inference.tree import (
     default_accuracy,
     matched_depth,
     merge_trees,
+    next_depth,
     position_ids,
     retrieve_indices,
     select_best_nodes,
@@ -144,6 +145,13 @@ def test_matched_depth_follows_the_committed_tokens_down_the_tree():
     assert matched_depth(tokens, parents, [3, 6]) == 1
     assert matched_depth(tokens, parents, [5]) == 0  # a token deeper in the tree, but not a child of the root
     assert matched_depth([7], [-1], [3, 4]) == 0
+
+
+def test_the_next_step_drafts_one_level_deeper_only_when_the_deepest_paid():
+    assert next_depth(kept=3, drafted=3, limit=5) == 4  # the deepest level was kept: look one deeper
+    assert next_depth(kept=3, drafted=4, limit=5) == 3  # the fourth level did not pay: do not draft it again
+    assert next_depth(kept=5, drafted=5, limit=5) == 5
+    assert next_depth(kept=0, drafted=2, limit=5) == 1  # nothing kept: still draft one level, or never again
 
 
 def test_merge_refuses_different_roots():
