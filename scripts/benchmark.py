@@ -369,6 +369,11 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     return rows
 
 
+def hf_in_chunks(model, prompts: list[list[int]], size: int, max_new_tokens: int) -> list[list[int]]:
+    """HF generate() batched as a user without continuous batching runs it: the prompts in chunks of `size`."""
+    return [row for start in range(0, len(prompts), size) for row in hf_batch(model, prompts[start : start + size], max_new_tokens)]
+
+
 def identical_rows(outputs: list[list[int]], alone: list[list[int]], per_round: int) -> int:
     """How many reference rows were identical to HF alone in every round (outputs holds the rounds one after another)."""
     rounds = [outputs[start : start + per_round] for start in range(0, len(outputs), per_round)]
@@ -389,8 +394,7 @@ def batch_throughput(args, argv) -> None:
     # Warm-up, untimed: a process's first decoding of these prompts ran ~8% slower than the same one again (Xeon,
     # batch 8), which would penalise whichever method comes first; every prompt, a few tokens, at the largest batch.
     largest = max(args.batch_sizes)
-    for start in range(0, len(prompts), largest):
-        hf_batch(model, prompts[start : start + largest], 16)
+    hf_in_chunks(model, prompts, largest, 16)
     for run in runs.values():
         if run.get("tree") is None and run["heads"] is not None:  # measured once per batch size and cached: not timed
             for size in args.batch_sizes:
@@ -407,7 +411,7 @@ def batch_throughput(args, argv) -> None:
                 progress.set_postfix_str(f"batch {size}, round {round_ + 1}, {name}")
                 started = time.perf_counter()
                 if name == "hf":
-                    new = [row for start in range(0, len(prompts), size) for row in hf_batch(model, prompts[start : start + size], args.max_new_tokens)]
+                    new = hf_in_chunks(model, prompts, size, args.max_new_tokens)
                 else:
                     results = generate(model, prompt_or_input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=size, **runs[name])
                     new = [o.token_ids for o in results]
