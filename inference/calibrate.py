@@ -27,15 +27,16 @@ from heads import EagleHead, EarlyExitHead, MedusaHeads, TargetFingerprint
 from heads.attention import grouped_attention
 from heads.io import written_atomically
 
+from .accept import Sampling
 from .cache import new_cache
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
 TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-MEASUREMENT_VERSION = 5  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
-# values copied for every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned)
-# are measured again
+MEASUREMENT_VERSION = 6  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+# values copied for every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned;
+# drafting timed apart from the loop) are measured again
 # Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
 # products run in blocks of rows: at 8 rows a bfloat16 pass over 3 tokens a row cost what one over 4 did (Xeon, AMX),
 # 7 what 8 did, so an interpolated cost at 5 or 7 would buy widths that waste a block.
@@ -93,6 +94,8 @@ def measure(
 
     Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions), every row
     verifying k tokens; its entries are cropped from the cache again, so every measurement sees the same context.
+    With a head, whole steps of the decoding loop are timed too (loop_step_seconds), over `context` tokens of random
+    text a row, to price a draft level and what every step costs besides its pass and its levels.
     """
     with grouped_attention(model):  # the attention generate() verifies with
         return _measure(model, head, spec, batch, context, token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS), repeats)
@@ -101,10 +104,9 @@ def measure(
 def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    steps = 2 * (repeats + 1)  # drafting steps measured, each committing one to three more tokens a row
-    tokens = torch.randint(vocab, (batch, context + 1 + 3 * steps), generator=generator).to(model.device)
-    cache = new_cache(model)  # holds `context` tokens a row; the last token is the root of every draft
-    prefill = model(input_ids=tokens[:, :context], cache=cache, use_cache=True, output_hidden_states=head is not None)
+    tokens = torch.randint(vocab, (batch, context), generator=generator).to(model.device)
+    cache = new_cache(model)  # holds `context` tokens a row
+    model(input_ids=tokens, cache=cache, use_cache=True)
 
     def verify(k: int):
         tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
@@ -122,36 +124,57 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     draft_level = draft_step = 0.0
     if head is not None:
+        # Whole steps of the decoding loop, one draft kept a row (a 2-token pass), drafting one level or
+        # spec.depth levels: a level is what the deeper step costs more, and whatever is left of the shallow
+        # step beyond its level and its pass is what every step pays (the head reading the committed tokens,
+        # the loop's own accepting and moving of cache entries). Timing the drafting alone put that at 0.02 of a
+        # one-token pass at batch 8 (Xeon, AMX, bfloat16); whole steps put it at 0.15-0.17, which keeps wider trees.
         spec = replace(spec or DynamicTreeSpec(), cost=None)
-        # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
-        drafter = as_drafter(head, model, spec, context_vocab=False)
-        drafter.reset(batch)
-        drafter.observe_rows(
-            [{layer: prefill.hidden_states[layer][row] for layer in drafter.hidden_layers} for row in range(batch)], list(tokens[:, 1 : context + 1])
-        )
-        newest = {layer: prefill.hidden_states[layer][:, -1:] for layer in drafter.hidden_layers}
-        read = [context] * batch  # tokens each row's drafter has read; its text holds one more, the root
-        step = [0]
-
-        def draft(depth: int) -> None:
-            """A step as generate() makes it: the head reads the tokens the last step committed, one to three a row
-            as accepted paths are (so the rows' lengths drift apart as a batch's do; the newest hidden state
-            stands in for the target's, which only sets the numbers), then drafts `depth` levels."""
-            counts = [1 + (row + step[0]) % 3 for row in range(batch)]
-            hidden = [{layer: states[row].expand(count, -1) for layer, states in newest.items()} for row, count in enumerate(counts)]
-            drafter.observe_rows(hidden, [tokens[row, done + 1 : done + 1 + count] for row, (done, count) in enumerate(zip(read, counts))])
-            read[:] = [done + count for done, count in zip(read, counts)]
-            drafter.propose_rows([tokens[row, : done + 1] for row, done in enumerate(read)], [depth] * batch)
-            step[0] += 1
-
-        if spec.depth == 1:
-            draft_level = median_seconds(lambda: draft(1), repeats) / seconds[0]
-        else:  # the deep step's extra cost is its levels'; what is left of a one-level step is every step's
-            shallow, deep = interleaved_medians([lambda: draft(1), lambda: draft(spec.depth)], repeats)
-            level = max(deep - shallow, 0.0) / (spec.depth - 1)
-            draft_level, draft_step = level / seconds[0], max(shallow - level, 0.0) / seconds[0]
+        depth = max(spec.depth, 2)
+        shallow, deep = loop_step_seconds(model, head, [replace(spec, depth=1, nodes=1), replace(spec, depth=depth, nodes=1)], tokens, repeats)
+        level = max(deep - shallow, 0.0) / (depth - 1)
+        draft_level, draft_step = level / seconds[0], max(shallow - level - seconds[1], 0.0) / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level, draft_step)
     return cost, seconds[0]
+
+
+class _StepClock:
+    """Stands in for the loop's Fallback (inference.fallback): always drafts, and keeps every step's seconds."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def use_drafter(self) -> bool:
+        return True
+
+    def prompt_joined(self) -> None:
+        pass
+
+    def record(self, drafted: bool, tokens: float, seconds: float) -> None:
+        self.seconds.append(seconds)
+
+
+LOOP_STEPS = 6  # steps timed a run, after two untimed (the first also feeds the head each whole prompt)
+
+
+@torch.inference_mode()
+def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.Tensor, rounds: int) -> list[float]:
+    """The median seconds of a step of the batch loop (inference.batch) drafting with `head` at each fixed tree
+    spec, over the rows of `prompts` [rows, length]; the runs interleaved in `rounds` (no row ever stops: no EOS)."""
+    from .batch import decode_batch  # batch imports the drafters, as this module does; only this function needs it
+
+    rows = list(prompts)
+    no_eos = torch.empty(0, dtype=torch.long, device=prompts.device)
+    times = [[] for _ in specs]
+    for _ in range(max(rounds // 2, 1)):
+        for spec, spent in zip(specs, times):
+            clock = _StepClock()
+            # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
+            drafter = as_drafter(head, model, spec, context_vocab=False)
+            # room for every timed step to draft as deep as the spec asks, however many tokens the ones before took
+            decode_batch(model, drafter, rows, 1 + (2 + LOOP_STEPS) * (spec.nodes + 1) + spec.depth, Sampling(), [None] * len(rows), no_eos, clock, len(rows))
+            spent += clock.seconds[2 : 2 + LOOP_STEPS]
+    return [statistics.median(spent) for spent in times]
 
 
 def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
@@ -272,7 +295,7 @@ def main(argv=None) -> None:
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")
     if head is not None:
-        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass; every drafting step besides: {cost.draft_step:.3f}")
+        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass; every step besides its pass and levels: {cost.draft_step:.3f}")
 
 
 if __name__ == "__main__":

@@ -307,8 +307,9 @@ class PassCost:
 
     `relative[i]` is a target pass over `tokens[i]` tokens (tokens[0] == 1, so relative[0] == 1); beyond the
     last measurement the cost grows along the last measured slope. `draft_level` is one level of drafting;
-    `draft_step` what a drafting step costs whatever its depth (the head reading the tokens the last step
-    committed), which every step pays, so it weighs for larger trees: they spread it over more tokens.
+    `draft_step` what a drafting step costs whatever its depth and width (the head reading the tokens the last
+    step committed, the loop accepting and moving cache entries), which every step pays, so it weighs for larger
+    trees: they spread it over more tokens.
     """
 
     tokens: tuple[int, ...]

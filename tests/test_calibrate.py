@@ -63,3 +63,27 @@ def test_pass_costs_are_measured_in_rounds_and_never_fall_with_more_tokens():
 
 def test_a_batch_is_calibrated_by_its_power_of_two():
     assert [calibrate.calibration_batch(rows) for rows in (1, 2, 3, 7, 8, 100)] == [1, 2, 2, 4, 8, 64]
+
+
+def test_loop_steps_are_timed_at_the_depth_asked(monkeypatch):
+    """Every timed step drafts as deep as its spec: a step capped by the row's remaining tokens would price a level
+    at less than it costs."""
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    asked, as_drafter = [], calibrate.as_drafter
+
+    def recording_drafter(*args, **kwargs):
+        drafter = as_drafter(*args, **kwargs)
+        propose_rows = drafter.propose_rows
+        drafter.propose_rows = lambda texts, max_depths: asked[-1].append(min(max_depths)) or propose_rows(texts, max_depths)
+        asked.append([])
+        return drafter
+
+    monkeypatch.setattr(calibrate, "as_drafter", recording_drafter)
+    prompts = torch.randint(4, 97, (3, 10), generator=torch.Generator().manual_seed(5))
+    specs = [DynamicTreeSpec(depth=1, top_k=2, nodes=1), DynamicTreeSpec(depth=4, top_k=2, nodes=1)]
+    seconds = calibrate.loop_step_seconds(model, head, specs, prompts, rounds=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert len(asked) == 2  # one run a spec
+    for spec, depths in zip(specs, asked):
+        assert min(depths[: 2 + calibrate.LOOP_STEPS]) >= spec.depth
