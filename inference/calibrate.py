@@ -131,7 +131,8 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
         # one-token pass at batch 8 (Xeon, AMX, bfloat16); whole steps put it at 0.15-0.17, which keeps wider trees.
         spec = replace(spec or DynamicTreeSpec(), cost=None)
         depth = max(spec.depth, 2)
-        shallow, deep = loop_step_seconds(model, head, [replace(spec, depth=1, nodes=1), replace(spec, depth=depth, nodes=1)], tokens, repeats)
+        rounds = max(repeats // 2, 1)  # a run gives LOOP_STEPS steps: half the rounds of the passes give more samples
+        shallow, deep = loop_step_seconds(model, head, [replace(spec, depth=1, nodes=1), replace(spec, depth=depth, nodes=1)], tokens, rounds)
         level = max(deep - shallow, 0.0) / (depth - 1)
         draft_level, draft_step = level / seconds[0], max(shallow - level - seconds[1], 0.0) / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level, draft_step)
@@ -166,7 +167,7 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
     rows = list(prompts)
     no_eos = torch.empty(0, dtype=torch.long, device=prompts.device)
     times = [[] for _ in specs]
-    for _ in range(max(rounds // 2, 1)):
+    for _ in range(rounds):
         for spec, spent in zip(specs, times):
             clock = _StepClock()
             # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
