@@ -63,6 +63,42 @@ def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
     assert ours.get_seq_length() == 505
 
 
+def test_rows_leave_and_join_the_batch_within_the_buffer():
+    generator = torch.Generator().manual_seed(3)
+    reference, ours = DynamicCache(), position_cache()
+
+    def entries(rows: int, count: int):
+        keys = torch.randn(rows, 2, count, 4, generator=generator)
+        return keys, -keys
+
+    def update(rows: int, count: int) -> None:
+        keys, values = entries(rows, count)
+        ours.update(keys.clone(), values.clone(), 0)
+        reference.update(keys, values, 0)
+
+    def same() -> None:
+        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys) and torch.equal(ours.layers[0].values, reference.layers[0].values)
+        assert ours.layers[0].key_buffer.data_ptr() == buffer  # rows moved within the buffer
+        assert ours.layers[0].keys.numel() == 0 or ours.layers[0].keys.data_ptr() == buffer
+
+    update(4, 30)
+    update(4, 5)
+    buffer = ours.layers[0].key_buffer.data_ptr()
+    keep_rows(ours, torch.tensor([1, 3]))
+    keep_rows(reference, torch.tensor([1, 3]))
+    same()
+    for length in (50, 10):  # a prompt longer than the cache joins, then a shorter one
+        keys, values = entries(1, length)
+        append_rows(ours, [keys.clone()], [values.clone()])
+        append_rows(reference, [keys], [values])
+        same()
+    update(4, 5)
+    same()
+    keep_rows(ours, torch.tensor([], dtype=torch.long))  # the last rows finished
+    keep_rows(reference, torch.tensor([], dtype=torch.long))
+    same()
+
+
 def test_a_single_sequence_keeps_its_path_in_place():
     generator = torch.Generator().manual_seed(1)
     reference, ours = DynamicCache(), position_cache()
