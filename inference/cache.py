@@ -58,7 +58,7 @@ class PositionLayer(DynamicLayer):
             self.keys = torch.cat([_padded(self.keys, width), _padded(keys, width)])
             self.values = torch.cat([_padded(self.values, width), _padded(values, width)])
             return
-        for buffer, own, new in ((self.key_buffer, self.keys, keys), (self.value_buffer, self.values, values)):
+        for buffer, new in ((self.key_buffer, keys), (self.value_buffer, values)):
             buffer[:rows, :, length:width] = 0
             buffer[rows : rows + joining, :, : new.shape[-2]] = new
             buffer[rows : rows + joining, :, new.shape[-2] : width] = 0
