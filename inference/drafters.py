@@ -34,6 +34,7 @@ from .tree import (
     additive_mask,
     best_node_count,
     best_shared_tree,
+    graft_span,
     likeliest_paths,
     matched_depth,
     merge_trees,
@@ -41,6 +42,7 @@ from .tree import (
     select_best_nodes,
     static_tree,
     subtree,
+    token_rates,
     verifiable_tree,
 )
 
@@ -389,8 +391,10 @@ class DynamicTreeDrafter:
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return self.context.log_probs(self.vocab.logits(outputs))
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
-        """`propose` for every row at once: texts[b] is row b's committed text, its last token the root."""
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list] | None = None) -> list[Tree]:
+        """`propose` for every row at once: texts[b] is row b's committed text, its last token the root. spans[b]:
+        copied spans for row b, (tokens, log-rate) pairs, to weigh against the drafts (_select_grafted), which
+        replaces each pair with how many of the span's first tokens the drafts held."""
         self.context.read_texts(texts)
         self._read_committed(texts)
         limits = [min(levels, depth) for levels, depth in zip(self.levels, max_depths)]
@@ -414,6 +418,8 @@ class DynamicTreeDrafter:
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices  # EAGLE-2: expand the likeliest
             frontier, states = children.gather(1, best), out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
         self.cache.crop(-sum(f.shape[1] for f in fed))
+        if spans is not None:
+            return self._select_grafted(nodes, limits, max_depths, k, spans)
         if rows == 1 or self.spec.cost is None:
             return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
         levels, width = self._shared_tree(nodes, limits, k)
@@ -456,6 +462,43 @@ class DynamicTreeDrafter:
         if width is None and self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
             self.levels[row] = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
         return tree
+
+    def _select_grafted(self, nodes: DraftNodes, limits: list[int], max_depths: list[int], k: int, spans: list[list]) -> list[Tree]:
+        """Each row's drafts and copied spans in one pool, every tree as wide as the batch's: the likeliest of
+        the pool, by the drafts' (scaled) probabilities and the spans' scores, as many as pay for their
+        verification (without a measured cost: spec.nodes). A span costs no drafting, and it displaces drafts
+        only where it is believed likelier, so a batch pays for no row's long span with a wider pass."""
+        levels = max(limits)
+        if self.spec.cost is not None:
+            levels, _ = self._shared_tree(nodes, limits, k)
+        pools = []
+        for row, row_spans in enumerate(spans):
+            depth_limit = min(limits[row], levels)
+            count = drafted_nodes(depth_limit, k) if depth_limit >= 1 else 1
+            believed = torch.cat([nodes.scores[row, :1], self._believed(nodes, row, count)]) if count > 1 else nodes.scores[row, :1]
+            pool = (nodes.tokens[row, :count], nodes.parents[row, :count], nodes.depth[:count], nodes.ancestors[row, :count, :count], believed)
+            for index, (span, log_rate) in enumerate(row_spans):
+                pool, held = graft_span(*pool, span, log_rate)
+                row_spans[index] = held
+            pools.append((count, pool))
+        width = self.spec.nodes
+        if self.spec.cost is not None:
+            believed = torch.full((len(pools), max(pool[4].shape[0] for _, pool in pools) - 1), float("-inf"))
+            for row, (_, pool) in enumerate(pools):
+                believed[row, : pool[4].shape[0] - 1] = pool[4][1:]
+            cost = self.spec.cost
+            width = int(token_rates(believed, cost, levels * cost.draft_level, self.spec.nodes).argmax())
+            if all(depth >= level for depth, level in zip(max_depths, self.levels)):  # not when a caller capped this step
+                self.levels = [next_depth(levels, max(limits), self.spec.depth)] * len(pools)
+        trees = []
+        for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
+            keep = select_best_nodes(believed, depth, width)
+            tree = subtree(tokens, parents, depth, ancestors, keep)
+            drafted = keep[keep < count]  # the head's reliability is judged by its own drafts only
+            guess = tree if drafted.shape[0] == keep.shape[0] else subtree(tokens, parents, depth, ancestors, drafted)
+            self.guesses[row] = (guess.tokens.tolist(), guess.parents.tolist(), float(nodes.scores[row, drafted[1:]].exp().sum()))
+            trees.append(tree)
+        return trees
 
 
 class DraftNodes:
@@ -672,7 +715,7 @@ class PromptLookupDrafter(TokenDrafter):
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         length = tokens.shape[0]
-        self.trusted = False
+        self.trusted, self.matched = False, 0  # matched: the n of the n-gram the span follows
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             windows = tokens[: length - 1].unfold(0, n, 1)  # every n-gram with at least one token after it
             starts = (windows == tokens[length - n :]).all(dim=-1).nonzero()
@@ -680,6 +723,7 @@ class PromptLookupDrafter(TokenDrafter):
                 begin = int(starts[-1]) + n
                 span = tokens[begin : begin + min(self.num_tokens, max_depth)]
                 self.trusted = n >= self.trusted_ngram and span.shape[0] > 0
+                self.matched = n if span.shape[0] else 0
                 return Tree.chain(torch.cat([tokens[-1:], span]))
         return root_only(tokens)
 
@@ -687,9 +731,14 @@ class PromptLookupDrafter(TokenDrafter):
 class MergedDrafter:
     """Several drafters' trees merged into ONE tree, verified in the same target pass.
 
-    Drafters that read only tokens propose first. When one of them is `trusted` (prompt lookup matched a
-    long enough n-gram), the drafters with heads draft one level only: their depth-1 candidates cost a
-    projection, deeper levels cost head passes, and beside a trusted span they rarely win a token.
+    Drafters that read only tokens propose first. For one sequence, their spans are merged whole into the
+    head's tree, and when one of them is `trusted` (prompt lookup matched a long enough n-gram) the drafters
+    with heads draft one level only: their depth-1 candidates cost a projection, deeper levels cost head passes,
+    and beside a trusted span they rarely win a token. In a batch, where every row's tree is padded to the
+    widest, a head that grows dynamic trees weighs each row's spans against its drafts instead (graft_span):
+    the tokens a span adds to the head's drafts are scored by how often the tokens such spans added have been
+    right on this row (by the length of the n-gram matched; SPAN_PRIOR, decayed as the head's reliability is),
+    and the row keeps its likeliest nodes of both.
     """
 
     def __init__(self, drafters: Sequence[Drafter]):
@@ -699,10 +748,19 @@ class MergedDrafter:
         self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
         self.token_drafters = [d for d in self.drafters if isinstance(d, TokenDrafter)]
         self.head_drafters = [d for d in self.drafters if not isinstance(d, TokenDrafter)]
+        self.grafts = (
+            len(self.head_drafters) == 1
+            and isinstance(self.head_drafters[0], DynamicTreeDrafter)
+            and all(isinstance(d, PromptLookupDrafter) for d in self.token_drafters)
+        )
+        self.span_rates, self.pending = [], []
 
     def reset(self, rows: int = 1) -> None:
         for drafter in self.drafters:
             drafter.reset(rows) if isinstance(drafter, OWN_DRAFTERS) else drafter.reset()
+        # per row: {(token drafter, n-gram length): [decayed tokens that held, decayed tokens tried]}, and the
+        # spans of its last step, till the target's answer
+        self.span_rates, self.pending = [{} for _ in range(rows)], [[] for _ in range(rows)]
 
     def observe(self, hidden, next_tokens) -> None:
         self.observe_rows([hidden], [next_tokens])
@@ -714,21 +772,37 @@ class MergedDrafter:
             else:  # a foreign drafter has the one-sequence interface (generate() gives it a batch only when it keeps no state)
                 for row_hidden, tokens in zip(hidden, next_tokens):
                     drafter.observe(row_hidden, tokens)
+        for row, tokens in enumerate(next_tokens):
+            if self.pending[row]:
+                committed = tokens.tolist()
+                for key, span, shared in self.pending[row]:
+                    if span[:shared] != committed[:shared]:
+                        continue  # the span's tokens the drafts held were wrong: nothing learnt of the tokens it added
+                    held, tried = span_outcome(span[shared:], committed[shared:])
+                    rate = self.span_rates[row].setdefault(key, list(SPAN_PRIOR))
+                    rate[0] = RELIABILITY_DECAY * rate[0] + held
+                    rate[1] = RELIABILITY_DECAY * rate[1] + tried
+                self.pending[row] = []
 
     def keep_rows(self, rows: list[int]) -> None:
         for drafter in self.drafters:
             if isinstance(drafter, OWN_DRAFTERS):
                 drafter.keep_rows(rows)
+        self.span_rates, self.pending = [self.span_rates[row] for row in rows], [self.pending[row] for row in rows]
 
     def add_rows(self, count: int) -> None:
         for drafter in self.drafters:
             if isinstance(drafter, OWN_DRAFTERS):
                 drafter.add_rows(count)
+        self.span_rates += [{} for _ in range(count)]
+        self.pending += [[] for _ in range(count)]
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         return self.propose_rows([tokens], [max_depth])[0]
 
     def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        if self.grafts and len(texts) > 1:
+            return self._propose_grafted(texts, max_depths)
         spans, head_depths = [], []
         for text, max_depth in zip(texts, max_depths):  # token drafters are asked row by row: `trusted` is per row
             spans.append([self._propose(d, [text], [max_depth])[0] for d in self.token_drafters])
@@ -743,12 +817,44 @@ class MergedDrafter:
             merged.append(tree)
         return merged
 
+    def _propose_grafted(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
+        spans = []
+        for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
+            row_spans = []
+            for index, drafter in enumerate(self.token_drafters):
+                span = drafter.propose(text, max_depth).tokens[1:]
+                if span.shape[0]:
+                    key = (index, drafter.matched)
+                    held, tried = self.span_rates[row].get(key, SPAN_PRIOR)
+                    row_spans.append((span, math.log(held / tried)))
+                    self.pending[row].append((key, span.tolist()))
+            spans.append(row_spans)
+        trees = self.head_drafters[0].propose_rows(texts, max_depths, spans)
+        for row, shared in enumerate(spans):  # the rates are of the tokens a span adds to the drafts
+            self.pending[row] = [(key, span, held) for (key, span), held in zip(self.pending[row], shared)]
+        return trees
+
     @staticmethod
     def _propose(drafter: Drafter, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
         """The loop checks the merged tree; a foreign drafter's own tree is checked first, so an error names it."""
         if isinstance(drafter, OWN_DRAFTERS):
             return drafter.propose_rows(texts, max_depths)
         return [verifiable_tree(drafter.propose(text, depth), text[-1], None, depth, drafter_name(drafter)) for text, depth in zip(texts, max_depths)]
+
+
+SPAN_PRIOR = (1.0, 2.0)  # (tokens held, tokens tried): a row's first copied tokens are believed right half the time
+
+
+def span_outcome(span: list[int], committed: list[int]) -> tuple[int, int]:
+    """(tokens that held, tokens tried) of a copied span against what the target committed: its tokens are tried
+    in order until one is wrong; those past the committed tokens are not known yet and count for neither."""
+    held = 0
+    for copied, chosen in zip(span, committed):
+        if copied != chosen:
+            return held, held + 1
+        held += 1
+    return held, held
 
 
 class OracleDrafter(TokenDrafter):
@@ -774,6 +880,14 @@ class OracleDrafter(TokenDrafter):
 
 
 TRAINED_HEADS = (MedusaHeads, EagleHead, EarlyExitHead)  # what heads.load_heads returns
+
+
+def grows_dynamic_trees(heads) -> bool:
+    """Whether these loaded heads draft through a DynamicTreeDrafter, which weighs copied spans against its drafts
+    in a batch (MergedDrafter)."""
+    return isinstance(heads, (EagleHead, EarlyExitHead)) or (isinstance(heads, MedusaHeads) and heads.config.sequential)
+
+
 OWN_DRAFTERS = (NoDrafter, MedusaDrafter, SequentialMedusaDrafter, EagleDrafter, EarlyExitDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
 
 

@@ -15,7 +15,18 @@ from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
-from .drafters import OWN_DRAFTERS, TRAINED_HEADS, Drafter, MergedDrafter, NoDrafter, PromptLookupDrafter, TokenDrafter, as_drafter, drafter_name
+from .drafters import (
+    OWN_DRAFTERS,
+    TRAINED_HEADS,
+    Drafter,
+    MergedDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    TokenDrafter,
+    as_drafter,
+    drafter_name,
+    grows_dynamic_trees,
+)
 from .fallback import JUDGE, Fallback
 from .tree import Tree, attention_mask, position_ids, verifiable_tree
 
@@ -189,9 +200,10 @@ def generate(
     output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`,
     a Drafter, or a list of them whose trees are merged. tree: None sizes a head's tree to this machine
     (inference.calibrate, measured once and cached); a DynamicTreeSpec (or Medusa paths) fixes it. lookup:
-    merge prompt lookup into a head's tree (None, the default: for one prompt, not for a batch, where a row's
-    long copied span would widen every row's verification). fallback: decode plainly while drafting does not pay on this
-    sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
+    merge prompt lookup into a head's tree (None, the default: for one prompt, and in a batch for a head that
+    grows dynamic trees, which keeps only the copied tokens it believes likelier than its own drafts
+    (MergedDrafter), so that no row's long span widens every row's verification; True: always). fallback:
+    decode plainly while drafting does not pay on this sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
     receives the prompt, then the tokens as they are accepted. batch_size: for a list of prompts, how many
     decode at once (None: all of them); as one finishes, the next prompt starts in its place.
     """
@@ -199,7 +211,7 @@ def generate(
     _check_model(model)
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
-            lookup = bool(lookup) if len(prompt_or_input_ids) > 1 else lookup is not False
+            lookup = bool(lookup) if lookup is not None else len(prompt_or_input_ids) == 1 or grows_dynamic_trees(heads)
             return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size)
         return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup is not False, fallback, seed, streamer)
 

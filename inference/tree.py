@@ -433,6 +433,42 @@ def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> 
     return key.topk(count).indices.sort().values
 
 
+def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float):
+    """A candidate pool of one row (tokens, parents, depth [N], ancestors [N, N], path log-scores [N]; node 0 the
+    root) with a copied span grafted on as a path from the root. The span's first tokens that the pool already
+    holds as a path keep their scores; the rest of the span is appended as a chain under the last of them, each
+    token scored `log_rate` below its parent (the log-probability that a copied token the pool did not have is
+    right, when what precedes it is). Returns the five, grown, and how many span tokens the pool held.
+
+    Every node's score stays at most its parent's, so select_best_nodes keeps the grown pool ancestor-closed.
+    """
+    children = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist())) if p >= 0}
+    node, held = 0, 0
+    for token in span.tolist():
+        found = children.get((node, token))
+        if found is None:
+            break
+        node, held = found, held + 1
+    rest, count = span[held:], tokens.shape[0]
+    if rest.shape[0] == 0:
+        return (tokens, parents, depth, ancestors, scores), held
+    added, device = rest.shape[0], tokens.device
+    grown = torch.zeros(count + added, count + added, dtype=torch.bool, device=device)
+    grown[:count, :count] = ancestors
+    grown[count:, :count] = ancestors[node]
+    grown[count:, count:] = torch.ones(added, added, dtype=torch.bool, device=device).tril()
+    chain = torch.arange(count - 1, count + added - 1, device=device)
+    chain[0] = node
+    steps = torch.arange(1, added + 1, device=device)
+    return (
+        torch.cat([tokens, rest]),
+        torch.cat([parents, chain]),
+        torch.cat([depth, depth[node] + steps]),
+        grown,
+        torch.cat([scores, scores[node] + log_rate * steps.to(scores.dtype)]),
+    ), held
+
+
 # ---- merging proposals of several drafters ---------------------------------------------------------
 
 

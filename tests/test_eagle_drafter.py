@@ -201,3 +201,63 @@ def test_an_eagle_head_drafts_prompt_tokens_outside_its_vocabulary():
     drafted = set(tree.tokens[1:].tolist())
     assert drafted <= {5, 9, 40} | set(prompt.tolist()) and drafted - {5, 9, 40}
     assert int((tree.depth == 1).sum()) > 3  # more than the head's own three tokens to choose from
+
+
+def _batch_drafters(model, head, texts, spec):
+    """An EAGLE drafter and prompt lookup merged for a batch, having observed each row's text but its last token."""
+    from inference import MergedDrafter, PromptLookupDrafter
+
+    eagle = EagleDrafter(head, model, spec)
+    merged = MergedDrafter([eagle, PromptLookupDrafter()])
+    merged.reset(len(texts))
+    with torch.no_grad():
+        hidden = [{-1: model(text[None, :-1], output_hidden_states=True).hidden_states[-1][0]} for text in texts]
+    merged.observe_rows(hidden, [text[1:] for text in texts])
+    return merged, eagle
+
+
+def test_a_batch_weighs_copied_spans_against_the_drafts():
+    """In a batch a row's copied span takes the place of the head's drafts where it is believed likelier, and
+    every row keeps as many nodes as the batch's tree is wide: no row's span widens the others' trees."""
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    spec = DynamicTreeSpec(depth=3, top_k=2, nodes=5)
+    copying = torch.tensor([5, 6, 7, 8, 9, 10, 5, 6, 7])  # "5 6 7" occurred before: lookup copies "8 9 10 5 6 7"
+    fresh = torch.randperm(90, generator=torch.Generator().manual_seed(2))[:9] + 4  # no token twice: nothing to copy
+    texts = [copying, fresh]
+    _, eagle = _batch_drafters(model, head, texts, spec)
+    with torch.no_grad():
+        drafted = eagle.propose_rows(texts, [8, 8])  # the head alone
+        _, eagle = _batch_drafters(model, head, texts, spec)
+        unlikely = eagle.propose_rows(texts, [8, 8], [[(copying[3:], -50.0)], []])  # a span believed almost surely wrong
+        merged, _ = _batch_drafters(model, head, texts, spec)
+        trees = merged.propose_rows(texts, [8, 8])  # a fresh row's spans are believed right half the time
+    for tree, alone in zip(unlikely, drafted):
+        assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+    assert torch.equal(trees[1].tokens, drafted[1].tokens)  # the row without a span drafts as alone
+    assert trees[0].size == trees[1].size == spec.nodes + 1
+    span = [7, 8, 9, 10, 5, 6]
+    on_span = [tuple(trees[0].tokens[trees[0].ancestors[node]].tolist()) == tuple(span[: int(trees[0].depth[node]) + 1]) for node in range(trees[0].size)]
+    assert int(trees[0].depth[torch.tensor(on_span)].max()) >= 3  # the head's random guesses are far less likely than 1/2 a token
+
+
+def test_a_batch_learns_how_often_the_tokens_a_span_adds_are_right():
+    from inference.drafters import RELIABILITY_DECAY, SPAN_PRIOR, span_outcome
+
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    copying = torch.tensor([5, 6, 7, 8, 9, 10, 5, 6, 7])
+    fresh = torch.randperm(90, generator=torch.Generator().manual_seed(2))[:9] + 4
+    merged, _ = _batch_drafters(model, head, [copying, fresh], DynamicTreeSpec(depth=3, top_k=2, nodes=5))
+    with torch.no_grad():
+        merged.propose_rows([copying, fresh], [8, 8])
+    ((key, span, shared),) = merged.pending[0]
+    assert key == (0, 3) and span == [8, 9, 10, 5, 6, 7] and merged.pending[1] == []
+    committed = [8, 9, 44]  # the first two copied tokens right, the third wrong
+    states = [{layer: torch.zeros(count, model.config.hidden_size) for layer in merged.hidden_layers} for count in (3, 1)]
+    merged.observe_rows(states, [torch.tensor(committed), torch.tensor([50])])
+    held, tried = span_outcome(span[shared:], committed[shared:])
+    assert tried > 0 and merged.span_rates[0][key] == [RELIABILITY_DECAY * SPAN_PRIOR[0] + held, RELIABILITY_DECAY * SPAN_PRIOR[1] + tried]
+    assert merged.pending == [[], []] and merged.span_rates[1] == {}

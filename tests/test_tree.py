@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inference.drafters import span_outcome
 from inference.tree import (
     DynamicTreeSpec,
     PassCost,
@@ -15,6 +18,7 @@ from inference.tree import (
     chain_paths,
     check_parents,
     default_accuracy,
+    graft_span,
     matched_depth,
     merge_trees,
     next_depth,
@@ -256,3 +260,35 @@ def test_likeliest_paths_go_deep_when_sure_and_wide_when_hesitant():
     assert likeliest_paths(hesitant, 6) == [(0,), (1,), (2,), (3,), (0, 0), (0, 1)]
     steep = PassCost((1, 2, 64), (1.0, 2.0, 64.0))
     assert likeliest_paths(sure, 5, steep) == [] and likeliest_paths(sure, 5) == best_static_paths(5, sure)
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_trees(20), st.lists(st.integers(0, 5), min_size=1, max_size=6), st.floats(0.01, 1.0), st.data())
+def test_a_grafted_span_adds_its_path_and_keeps_the_pool_ancestor_closed(pool, span, rate, data):
+    tree = merge_trees(Tree.chain(pool[0][:1]), Tree.from_parents(pool[0], pool[1]))  # siblings' tokens distinct, as a head's are
+    steps = torch.tensor(data.draw(st.lists(st.floats(0.01, 1.0), min_size=tree.size, max_size=tree.size))).log()
+    scores = torch.zeros(tree.size)
+    for node in range(1, tree.size):
+        scores[node] = scores[tree.parents[node]] + steps[node]
+    grown, held = graft_span(tree.tokens, tree.parents, tree.depth, tree.ancestors, scores, torch.tensor(span), math.log(rate))
+    tokens, parents, depth, ancestors, new_scores = grown
+    check_parents(parents)
+    rebuilt = Tree.from_parents(tokens, parents)
+    assert torch.equal(rebuilt.ancestors, ancestors) and torch.equal(rebuilt.depth, depth)
+    span_paths = [tuple([int(tree.tokens[0])] + span[:j]) for j in range(1, len(span) + 1)]
+    assert root_to_node_paths(rebuilt) == root_to_node_paths(tree) | set(span_paths)
+    assert tokens.shape[0] == len(root_to_node_paths(tree) | set(span_paths))  # no path twice
+    assert held == sum(path in root_to_node_paths(tree) for path in span_paths)
+    assert torch.equal(new_scores[: tree.size], scores)  # the pool's own nodes keep their scores
+    added = new_scores[tree.size :] - new_scores[parents[tree.size :]]
+    torch.testing.assert_close(added, torch.full_like(added, math.log(rate)))  # each added token: log_rate below its parent
+    for count in range(tokens.shape[0]):
+        keep = set(select_best_nodes(new_scores, depth, count).tolist())
+        assert all(int(parents[node]) in keep for node in keep if node)
+
+
+def test_a_copied_span_counts_the_tokens_tried_until_one_is_wrong():
+    assert span_outcome([4, 5, 6], [4, 5, 9, 1]) == (2, 3)  # two held, the third failed
+    assert span_outcome([4, 5, 6], [7]) == (0, 1)
+    assert span_outcome([4, 5, 6], [4, 5]) == (2, 2)  # the third is not known yet
+    assert span_outcome([4, 5], [4, 5, 6]) == (2, 2)
