@@ -262,7 +262,7 @@ class DynamicTreeDrafter:
 
     def reset(self, rows: int = 1) -> None:
         self.context.reset(rows)
-        self.cache, self.last = position_cache(), None
+        self.cache, self.last, self.spans_held = position_cache(), None, []
         for name, fresh in self._new_rows(rows).items():
             setattr(self, name, fresh)
 
@@ -394,7 +394,9 @@ class DynamicTreeDrafter:
     def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list] | None = None) -> list[Tree]:
         """`propose` for every row at once: texts[b] is row b's committed text, its last token the root. spans[b]:
         copied spans for row b, (tokens, log-rate) pairs, to weigh against the drafts (_select_grafted), which
-        replaces each pair with how many of the span's first tokens the drafts held."""
+        leaves in `spans_held[b]` how many of each span's first tokens the drafts held."""
+        if spans is not None:
+            self.spans_held = [[0] * len(row_spans) for row_spans in spans]
         self.context.read_texts(texts)
         self._read_committed(texts)
         limits = [min(levels, depth) for levels, depth in zip(self.levels, max_depths)]
@@ -478,8 +480,7 @@ class DynamicTreeDrafter:
             believed = torch.cat([nodes.scores[row, :1], self._believed(nodes, row, count)]) if count > 1 else nodes.scores[row, :1]
             pool = (nodes.tokens[row, :count], nodes.parents[row, :count], nodes.depth[:count], nodes.ancestors[row, :count, :count], believed)
             for index, (span, log_rate) in enumerate(row_spans):
-                pool, held = graft_span(*pool, span, log_rate)
-                row_spans[index] = held
+                pool, self.spans_held[row][index] = graft_span(*pool, span, log_rate)
             pools.append((count, pool))
         width = self.spec.nodes
         if self.spec.cost is not None:
@@ -830,9 +831,10 @@ class MergedDrafter:
                     row_spans.append((span, math.log(held / tried)))
                     self.pending[row].append((key, span.tolist()))
             spans.append(row_spans)
-        trees = self.head_drafters[0].propose_rows(texts, max_depths, spans)
-        for row, shared in enumerate(spans):  # the rates are of the tokens a span adds to the drafts
-            self.pending[row] = [(key, span, held) for (key, span), held in zip(self.pending[row], shared)]
+        head = self.head_drafters[0]
+        trees = head.propose_rows(texts, max_depths, spans)
+        for row, held in enumerate(head.spans_held):  # the rates are of the tokens a span adds to the drafts
+            self.pending[row] = [(key, span, shared) for (key, span), shared in zip(self.pending[row], held, strict=True)]
         return trees
 
     @staticmethod

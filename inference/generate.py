@@ -203,9 +203,10 @@ def generate(
     merge prompt lookup into a head's tree (None, the default: for one prompt, and in a batch for a head that
     grows dynamic trees, which keeps only the copied tokens it believes likelier than its own drafts
     (MergedDrafter), so that no row's long span widens every row's verification; True: always). fallback:
-    decode plainly while drafting does not pay on this sequence (inference.fallback). streamer: a Hugging Face streamer; like `model.generate`, it first
-    receives the prompt, then the tokens as they are accepted. batch_size: for a list of prompts, how many
-    decode at once (None: all of them); as one finishes, the next prompt starts in its place.
+    decode plainly while drafting does not pay on this sequence (inference.fallback). streamer: a Hugging Face
+    streamer; like `model.generate`, it first receives the prompt, then the tokens as they are accepted.
+    batch_size: for a list of prompts, how many decode at once (None: all of them); as one finishes, the next
+    prompt starts in its place.
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
