@@ -820,21 +820,23 @@ class MergedDrafter:
 
     def _propose_grafted(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
         """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
-        spans = []
+        spans, keys = [], []  # per row: (span, log-rate) pairs for the head, and each span's rate key
         for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
-            row_spans = []
+            spans.append([])
+            keys.append([])
             for index, drafter in enumerate(self.token_drafters):
                 span = drafter.propose(text, max_depth).tokens[1:]
                 if span.shape[0]:
-                    key = (index, drafter.matched)
-                    held, tried = self.span_rates[row].get(key, SPAN_PRIOR)
-                    row_spans.append((span, math.log(held / tried)))
-                    self.pending[row].append((key, span.tolist()))
-            spans.append(row_spans)
+                    keys[-1].append((index, drafter.matched))
+                    held, tried = self.span_rates[row].get(keys[-1][-1], SPAN_PRIOR)
+                    spans[-1].append((span, math.log(held / tried)))
         head = self.head_drafters[0]
         trees = head.propose_rows(texts, max_depths, spans)
-        for row, held in enumerate(head.spans_held):  # the rates are of the tokens a span adds to the drafts
-            self.pending[row] = [(key, span, shared) for (key, span), shared in zip(self.pending[row], held, strict=True)]
+        # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the rest)
+        self.pending = [
+            [(key, span.tolist(), shared) for key, (span, _), shared in zip(row_keys, row_spans, held, strict=True)]
+            for row_keys, row_spans, held in zip(keys, spans, head.spans_held, strict=True)
+        ]
         return trees
 
     @staticmethod
