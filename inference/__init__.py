@@ -1,6 +1,7 @@
 """How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
 
 from .accept import Sampling
+from .compiled import compile_target, warm_up
 from .drafters import (
     Drafter,
     EagleDrafter,
@@ -36,8 +37,10 @@ __all__ = [
     "TreeError",
     "best_static_paths",
     "chain_paths",
+    "compile_target",
     "generate",
     "load_target",
     "medusa_tree_spec",
     "static_tree",
+    "warm_up",
 ]

@@ -18,6 +18,7 @@ import torch
 
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
 from .cache import append_rows, keep_paths, keep_rows, new_cache
+from .compiled import decoding_pass
 from .drafters import drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
@@ -108,6 +109,7 @@ def decode_batch(
     At most `batch_size` rows decode at once: as rows finish, the next prompts are prefilled and join the batch
     (continuous batching), so a batch does not idle on its slowest row while prompts wait."""
     count, pad = len(prompts), int(prompts[0][0])  # any real token pads: padding is masked off everywhere
+    step_pass = decoding_pass(model)  # the prefill stays eager (inference.compiled)
     dtype = model.dtype
     out_tokens = [[] for _ in range(count)]
     passes, nodes, draft_seconds = [0] * count, [0] * count, 0.0
@@ -182,7 +184,7 @@ def decode_batch(
         step_tokens = sum(ends[row] for row in active)
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
+        out = step_pass(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
         paths, still, slots = [], [], []
         greedy = greedy_tokens(out.logits) if sampling.greedy else None  # [B, N]: one argmax for all rows
         for slot, row in enumerate(active):

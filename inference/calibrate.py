@@ -29,6 +29,7 @@ from heads.io import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
+from .compiled import decoding_pass, is_compiled
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
@@ -106,16 +107,18 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (batch, context), generator=generator).to(model.device)
     cache = new_cache(model)  # holds `context` tokens a row
-    model(input_ids=tokens, cache=cache, use_cache=True)
+    model(input_ids=tokens, cache=cache, use_cache=True, output_hidden_states=head is not None)
+    step_pass = decoding_pass(model)  # compiled passes are priced as compiled (inference.compiled)
 
     def verify(k: int):
         tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
-        model(
-            input_ids=tree.tokens[None].expand(batch, -1),
+        step_pass(
+            input_ids=tree.tokens[None].expand(batch, -1).contiguous(),
             cache=cache,
             use_cache=True,
-            position_ids=position_ids(tree, context).expand(batch, -1),
-            attention_mask=attention_mask(tree, context, model.dtype).expand(batch, -1, -1, -1),
+            position_ids=position_ids(tree, context).expand(batch, -1).contiguous(),
+            attention_mask=attention_mask(tree, context, model.dtype).expand(batch, -1, -1, -1).contiguous(),
+            output_hidden_states=head is not None,  # as decoding with a head asks for them (and compiles that graph)
         )
         cache.crop(-k)
 
@@ -189,6 +192,7 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
         device_name(model.device),
         torch.get_num_threads(),
         torch.__version__,
+        is_compiled(model),
         head_id,
         None if spec is None else (spec.depth, spec.top_k),
         MEASUREMENT_VERSION,
@@ -226,6 +230,7 @@ def load_or_measure(
                     "batch": batch,
                     "threads": torch.get_num_threads(),
                     "torch": torch.__version__,
+                    "compiled": is_compiled(model),
                 },
                 indent=1,
             )

@@ -14,6 +14,7 @@ from heads.attention import grouped_attention
 from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
+from .compiled import decoding_pass
 from .calibrate import calibrated_tree
 from .drafters import (
     OWN_DRAFTERS,
@@ -127,18 +128,20 @@ class Decoding:
         return self.max_new_tokens - (self.length - self.prompt_length)
 
 
-def forward(state: Decoding, input_ids: torch.Tensor, **kwargs):
-    """One target pass over `input_ids` on top of the cache, hidden states included when the drafter reads them."""
+def forward(state: Decoding, run, input_ids: torch.Tensor, **kwargs):
+    """One target pass over `input_ids` on top of the cache through `run` (the model, or its compiled passes),
+    hidden states included when the drafter reads them."""
     started = time.perf_counter()
-    out = state.model(input_ids=input_ids[None], cache=state.cache, use_cache=True, output_hidden_states=bool(state.drafter.hidden_layers), **kwargs)
+    out = run(input_ids=input_ids[None], cache=state.cache, use_cache=True, output_hidden_states=bool(state.drafter.hidden_layers), **kwargs)
     state.stats.target_seconds += time.perf_counter() - started
     state.stats.target_forwards += 1
     return out
 
 
 def prefill(state: Decoding):
-    """The prompt in one pass: the cache, the first token's logits and the hidden states the drafter reads."""
-    return forward(state, state.tokens[: state.length], **_last_logit_only(state.model))
+    """The prompt in one pass: the cache, the first token's logits and the hidden states the drafter reads. Eager:
+    every prompt's length differs, and it is one pass a prompt."""
+    return forward(state, state.model, state.tokens[: state.length], **_last_logit_only(state.model))
 
 
 def draft(state: Decoding, name: str) -> Tree:
@@ -154,7 +157,8 @@ def verify(state: Decoding, tree: Tree):
     """ONE target pass over the whole tree: each node sees the committed past and its own ancestors."""
     past = state.length - 1  # the root is the last committed token; the target has not seen it yet
     state.stats.tree_nodes += tree.size
-    return forward(state, tree.tokens, position_ids=position_ids(tree, past), attention_mask=attention_mask(tree, past, state.model.dtype))
+    mask = attention_mask(tree, past, state.model.dtype)
+    return forward(state, decoding_pass(state.model), tree.tokens, position_ids=position_ids(tree, past), attention_mask=mask)
 
 
 def commit(state: Decoding, new_tokens: torch.Tensor) -> bool:
