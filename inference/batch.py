@@ -184,7 +184,9 @@ def decode_batch(
         step_tokens = sum(ends[row] for row in active)
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
-        out = step_pass(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers))
+        out = step_pass(
+            input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers)
+        )
         paths, still, slots = [], [], []
         greedy = greedy_tokens(out.logits) if sampling.greedy else None  # [B, N]: one argmax for all rows
         for slot, row in enumerate(active):

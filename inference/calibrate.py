@@ -29,7 +29,7 @@ from heads.io import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
-from .compiled import decoding_pass, is_compiled
+from .compiled import decoding_pass, is_compiled, warm_up
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
@@ -118,7 +118,7 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
             use_cache=True,
             position_ids=position_ids(tree, context).expand(batch, -1).contiguous(),
             attention_mask=attention_mask(tree, context, model.dtype).expand(batch, -1, -1, -1).contiguous(),
-            output_hidden_states=head is not None,  # as decoding with a head asks for them (and compiles that graph)
+            output_hidden_states=head is not None,  # as decoding with a head asks for them
         )
         cache.crop(-k)
 
@@ -284,11 +284,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (generate() over a list of prompts)")
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
+    parser.add_argument("--compile", action="store_true", help="price compiled passes (inference.compiled), as generate() on a compiled target runs them")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
-    model, _ = load_target(args.model, dtype=args.dtype)
+    model, _ = load_target(args.model, dtype=args.dtype, compile=args.compile)
     head = load_heads(args.heads, model) if args.heads else None
+    warm_up(model, batch=args.batch > 1)
     spec = grown_tree_spec(head)
     if head is not None and spec is None:
         parser.error(

@@ -34,10 +34,19 @@ from .cache import new_cache
 from .target import cache_root
 from .tree import Tree, attention_mask, position_ids
 
-# Inductor settings for a model's passes: weights frozen into the graph (packed once), the GEMM template autotuned
-# against oneDNN. Applied around each compiled call (inductor reads them at compile time), never set globally.
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0}
-GPU_OPTIONS = {"freezing": True}
+# Inductor settings, applied around each compiled call (inductor reads them when it compiles), never set globally.
+# Weights are frozen into the graph (packed once for the matrix kernels). A one-token pass also autotunes inductor's
+# GEMM template against oneDNN: it reads the weights about twice as fast there (bf16, AMD EPYC: 17 ms a pass
+# against 24 ms frozen alone), but autotuning the tree pass's GEMMs, whose rows vary, doubled its compile time
+# (137 s) for about the same pass (33 ms against 38 ms over 16 tokens).
+TREE_OPTIONS = {"freezing": True}
+ONE_TOKEN_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,  # quiet: no table of kernels for every matrix product
+    "max_autotune_report_choices_stats": False,
+}
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> CompiledPasses
 
@@ -48,16 +57,22 @@ class CompiledPasses:
 
     def __init__(self, model):
         self.model = model
-        self.options = GPU_OPTIONS if model.device.type == "cuda" else CPU_OPTIONS
+        with torch.inference_mode():
+            # transformers installs its hidden-state hooks on the first call that asks for hidden states, which
+            # torch.compile cannot trace: one eager call does it first
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=new_cache(model), output_hidden_states=True)
         self.forward = torch.compile(model, dynamic=False)
         self.failed: str | None = None
 
     def __call__(self, **kwargs):
         if self.failed is not None:
             return self.model(**kwargs)
+        # every pass returns the hidden states, asked for or not: a graph without them would be one more to compile
+        kwargs["output_hidden_states"] = True
         prepare_inputs(kwargs)
+        one_token = kwargs["input_ids"].shape[1] == 1 and self.model.device.type == "cpu"
         try:
-            with torch._inductor.config.patch(self.options):
+            with torch._inductor.config.patch(ONE_TOKEN_OPTIONS if one_token else TREE_OPTIONS):
                 return self.forward(**kwargs)
         except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
             # compiling failed before the pass ran (the cache is untouched): decode eagerly from here on
@@ -114,40 +129,40 @@ def decoding_pass(model):
 
 
 @torch.inference_mode()
-def warm_up(model, *, hidden_states: bool = True, batch: bool = False, verbose: bool = True) -> float:
+def warm_up(model, *, batch: bool = False, verbose: bool = True) -> float:
     """Compile `model`'s decoding graphs now (a one-token pass and a tree pass; one row, and batches too with
     `batch`), printing a line for each; returns the seconds spent. A model not registered by compile_target is
     left alone (0 seconds)."""
     if model not in _compiled:
         return 0.0
     with grouped_attention(model):  # the attention generate() decodes with (another one is another graph)
-        return _warm_up(model, hidden_states, batch, verbose)
+        return _warm_up(model, batch, verbose)
 
 
-def _warm_up(model, hidden_states: bool, batch: bool, verbose: bool) -> float:
+def _warm_up(model, batch: bool, verbose: bool) -> float:
     passes, started = _compiled[model], time.perf_counter()
     vocab, device = model.config.vocab_size, model.device
     for rows in (1, 2) if batch else (1,):
         prompt = torch.randint(vocab, (rows, 8), generator=torch.Generator().manual_seed(0)).to(device)
         cache = new_cache(model)
-        # eager first: transformers installs its hidden-state hooks on the first call that asks for them, which
-        # torch.compile cannot trace
-        model(input_ids=prompt, cache=cache, use_cache=True, output_hidden_states=hidden_states)
+        model(input_ids=prompt, cache=cache, use_cache=True)
         for width in (1, 4):
             if passes.failed is not None:
                 break
             if verbose:
-                print(f"compiling the target's {width}-token pass for {rows} row{'s' if rows > 1 else ''} (torch.compile, about a minute on 2 cores)...", flush=True)
+                print(
+                    f"compiling the target's {width}-token pass for {rows} row{'s' if rows > 1 else ''} (torch.compile, about a minute on 2 cores)...",
+                    flush=True,
+                )
             tree = Tree.chain(prompt[0, :width])
             past = cache.get_seq_length()
             tick = time.perf_counter()
             passes(
-                input_ids=tree.tokens[None].expand(rows, -1),
+                input_ids=tree.tokens[None].expand(rows, -1).contiguous(),
                 cache=cache,
                 use_cache=True,
-                position_ids=position_ids(tree, past).expand(rows, -1),
-                attention_mask=attention_mask(tree, past, model.dtype).expand(rows, -1, -1, -1),
-                output_hidden_states=hidden_states,
+                position_ids=position_ids(tree, past).expand(rows, -1).contiguous(),
+                attention_mask=attention_mask(tree, past, model.dtype).expand(rows, -1, -1, -1).contiguous(),
             )
             if verbose:
                 print(f"  compiled in {time.perf_counter() - tick:.0f} s", flush=True)

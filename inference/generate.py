@@ -14,8 +14,8 @@ from heads.attention import grouped_attention
 from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
-from .compiled import decoding_pass
 from .calibrate import calibrated_tree
+from .compiled import decoding_pass
 from .drafters import (
     OWN_DRAFTERS,
     TRAINED_HEADS,

@@ -34,7 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import EarlyExitConfig, EarlyExitHead, load_heads  # noqa: E402
-from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target  # noqa: E402
+from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target, warm_up  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
 from inference.drafters import TRAINED_HEADS, as_drafter, medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
@@ -387,7 +387,8 @@ def batch_throughput(args, argv) -> None:
     finishes), in --rounds rounds of every method in turn; rows are compared with HF alone."""
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
-    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
+    warm_up(model, batch=True)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # the reference rows
@@ -472,6 +473,7 @@ def main(argv=None):
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
     parser.add_argument("--shard", type=parse_shard, default=None, metavar="K/N", help="answer every N-th question from the K-th (0-based)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="our methods decode with compiled passes (inference.compiled); HF generate() stays eager")
     parser.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster")
     parser.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
     parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
@@ -497,7 +499,8 @@ def main(argv=None):
     if "hf" in args.methods and args.methods[0] != "hf":
         args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
 
-    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
+    compile_seconds = warm_up(model)
     runners = build_methods(args, model, tokenizer)
     questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
     warm = chat_prompt(tokenizer, ["Hello"])
@@ -530,6 +533,7 @@ def main(argv=None):
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
         f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
+        + (f"  \nOur methods' passes compiled (torch.compile; {compile_seconds:.0f} s before the run; HF generate() eager)." if args.compile else "")
     )
     write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods)
 
