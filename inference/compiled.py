@@ -22,6 +22,7 @@ warning naming the reason.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -63,6 +64,7 @@ class CompiledPasses:
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=new_cache(model), output_hidden_states=True)
         self.forward = torch.compile(model, dynamic=False)
         self.failed: str | None = None
+        self.warm_rows: set[int] = set()  # row counts (1, or 2 for any batch) whose graphs warm_up compiled
 
     def __call__(self, **kwargs):
         if self.failed is not None:
@@ -130,40 +132,41 @@ def decoding_pass(model):
 
 @torch.inference_mode()
 def warm_up(model, *, batch: bool = False, verbose: bool = True) -> float:
-    """Compile `model`'s decoding graphs now (a one-token pass and a tree pass; one row, and batches too with
-    `batch`), printing a line for each; returns the seconds spent. A model not registered by compile_target is
-    left alone (0 seconds)."""
-    if model not in _compiled:
+    """Compile `model`'s decoding graphs now, those not compiled yet (a one-token pass and a tree pass; for one
+    row, and for batches too with `batch`), printing a line for each on stderr; returns the seconds spent.
+    generate() calls it first, so that no call spends minutes compiling without saying so. A model not
+    registered by compile_target is left alone."""
+    passes = _compiled.get(model)
+    if passes is None:
         return 0.0
+    started = time.perf_counter()
     with grouped_attention(model):  # the attention generate() decodes with (another one is another graph)
-        return _warm_up(model, batch, verbose)
-
-
-def _warm_up(model, batch: bool, verbose: bool) -> float:
-    passes, started = _compiled[model], time.perf_counter()
-    vocab, device = model.config.vocab_size, model.device
-    for rows in (1, 2) if batch else (1,):
-        prompt = torch.randint(vocab, (rows, 8), generator=torch.Generator().manual_seed(0)).to(device)
-        cache = new_cache(model)
-        model(input_ids=prompt, cache=cache, use_cache=True)
-        for width in (1, 4):
-            if passes.failed is not None:
-                break
-            if verbose:
-                print(
-                    f"compiling the target's {width}-token pass for {rows} row{'s' if rows > 1 else ''} (torch.compile, about a minute on 2 cores)...",
-                    flush=True,
-                )
-            tree = Tree.chain(prompt[0, :width])
-            past = cache.get_seq_length()
-            tick = time.perf_counter()
-            passes(
-                input_ids=tree.tokens[None].expand(rows, -1).contiguous(),
-                cache=cache,
-                use_cache=True,
-                position_ids=position_ids(tree, past).expand(rows, -1).contiguous(),
-                attention_mask=attention_mask(tree, past, model.dtype).expand(rows, -1, -1, -1).contiguous(),
-            )
-            if verbose:
-                print(f"  compiled in {time.perf_counter() - tick:.0f} s", flush=True)
+        for rows in (1, 2) if batch else (1,):
+            if rows not in passes.warm_rows and passes.failed is None:
+                _compile_passes(passes, rows, verbose)
+                passes.warm_rows.add(rows)
     return time.perf_counter() - started
+
+
+def _compile_passes(passes: CompiledPasses, rows: int, verbose: bool) -> None:
+    """Run a one-token and a 4-token pass for `rows` rows through `passes`, which compiles them."""
+    model = passes.model
+    prompt = torch.randint(model.config.vocab_size, (rows, 8), generator=torch.Generator().manual_seed(0)).to(model.device)
+    cache = new_cache(model)
+    model(input_ids=prompt, cache=cache, use_cache=True)
+    for width in (1, 4):
+        if verbose:
+            what = f"{width}-token pass for {rows} row{'s' if rows > 1 else ''}"
+            print(f"compiling the target's {what} (torch.compile: a minute or two on 2 CPU cores, once a process)...", file=sys.stderr, flush=True)
+        tree = Tree.chain(prompt[0, :width])
+        past = cache.get_seq_length()
+        tick = time.perf_counter()
+        passes(
+            input_ids=tree.tokens[None].expand(rows, -1).contiguous(),
+            cache=cache,
+            use_cache=True,
+            position_ids=position_ids(tree, past).expand(rows, -1).contiguous(),
+            attention_mask=attention_mask(tree, past, model.dtype).expand(rows, -1, -1, -1).contiguous(),
+        )
+        if verbose:
+            print(f"  compiled in {time.perf_counter() - tick:.0f} s", file=sys.stderr, flush=True)

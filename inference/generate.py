@@ -15,7 +15,7 @@ from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
 from .cache import keep_path, new_cache
 from .calibrate import calibrated_tree
-from .compiled import decoding_pass
+from .compiled import decoding_pass, warm_up
 from .drafters import (
     OWN_DRAFTERS,
     TRAINED_HEADS,
@@ -214,6 +214,8 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
+    batch = _is_batch(prompt_or_input_ids) and len(prompt_or_input_ids) > 1 and batch_size != 1
+    warm_up(model, batch=batch)  # a compiled model's graphs not compiled yet: compiled now, and said so
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
             lookup = bool(lookup) if lookup is not None else len(prompt_or_input_ids) == 1 or grows_dynamic_trees(heads)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import tiny_model
 from heads import MedusaConfig, MedusaHeads
-from inference import Sampling, Tree, generate
+from inference import Sampling, Tree, compile_target, generate
 from inference.accept import accepted_path, target_probabilities, target_tokens
 from inference.drafters import TokenDrafter
 
@@ -147,3 +147,20 @@ def test_engine_samples_the_exact_distribution_and_a_lossy_rule_does_not(setup, 
     lossy = engine_tv(model, heads, sampling, exact)
     assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
     print(f"\n{sampling}: bands {bands}, engine {ours}, lossy {lossy}")
+
+
+@pytest.mark.slow
+def test_compiled_passes_sample_the_exact_distribution_and_a_lossy_rule_does_not(setup, monkeypatch):
+    """The same check through compiled target passes (inference.compiled), on a model of the same weights: its own
+    instance, so the other tests here decode eagerly."""
+    _, heads = setup
+    model = compile_target(tiny_model("llama", vocab_size=VOCAB, init=0.25, eos=None, seed=5))
+    sampling = Sampling(temperature=1.0)
+    exact = exact_distribution(model, sampling)
+    bands = {n: exact_sampler_band(exact, n) for n in COUNTS}
+    ours = engine_tv(model, heads, sampling, exact)
+    for n in COUNTS:
+        assert ours[n] < bands[n], f"compiled: TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
+    monkeypatch.setattr(engine, "accept", typical_acceptance)
+    lossy = engine_tv(model, heads, sampling, exact)
+    assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"compiled: the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
