@@ -29,7 +29,7 @@ from heads.io import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
-from .compiled import decoding_pass, is_compiled, warm_up
+from .compiled import compiled_settings, decoding_pass, is_compiled, warm_up
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
 
@@ -192,7 +192,7 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
         device_name(model.device),
         torch.get_num_threads(),
         torch.__version__,
-        is_compiled(model),
+        compiled_settings(model),
         head_id,
         None if spec is None else (spec.depth, spec.top_k),
         MEASUREMENT_VERSION,

@@ -5,14 +5,14 @@
 
 Why: an eager pass of SmolLM2-135M runs at a fraction of what the hardware allows. On a 2-core AMD EPYC
 (AVX512-BF16, bfloat16, 200 tokens cached) a one-token pass took 38 ms eager and 17 ms compiled, a 16-token pass
-62 ms and 43 ms. Nearly all of it is the weights: frozen into the graph (inductor's `freezing`), they are packed
+62 ms and 33 ms. Nearly all of it is the weights: frozen into the graph (inductor's `freezing`), they are packed
 once for the CPU's matrix kernels, and `max_autotune` picks inductor's own GEMM template where it beats oneDNN
 (a one-row product, which reads the weights at about twice oneDNN's pace).
 
 Shapes are kept from recompiling: the cache length is dynamic, so one graph serves a sequence as it grows. A
 pass over one token and a pass over a tree are two graphs (torch specializes sizes of 1), and so are one row and
 a batch: at most four graphs, each compiled the first time it is needed. The prefill stays eager (one pass a
-prompt, every length different). Compiling is slow (about a minute a graph on 2 cores) and inductor does not
+prompt, every length different). Compiling is slow (60-110 s a graph on 2 cores) and inductor does not
 cache graphs with packed weights across processes; its kernels and autotuning results are cached on disk
 (under SPECHEADS_CACHE/inductor), which cuts a second process's compile by about a fifth. `warm_up` compiles the
 graphs ahead of the first call, with a progress line. A model that does not compile decodes eagerly, after one
@@ -25,7 +25,6 @@ import os
 import sys
 import time
 import warnings
-import weakref
 
 import torch
 
@@ -36,10 +35,11 @@ from .target import cache_root
 from .tree import Tree, attention_mask, position_ids
 
 # Inductor settings, applied around each compiled call (inductor reads them when it compiles), never set globally.
-# Weights are frozen into the graph (packed once for the matrix kernels). A one-token pass also autotunes inductor's
-# GEMM template against oneDNN: it reads the weights about twice as fast there (bf16, AMD EPYC: 17 ms a pass
-# against 24 ms frozen alone), but autotuning the tree pass's GEMMs, whose rows vary, doubled its compile time
-# (137 s) for about the same pass (33 ms against 38 ms over 16 tokens).
+# Weights are frozen into the graph (packed once for the matrix kernels). One row's one-token pass also autotunes
+# inductor's GEMM template against oneDNN: it reads the weights about twice as fast there (bf16, AMD EPYC: 17 ms a
+# pass against 24 ms frozen alone). A pass whose rows vary (a tree's tokens, a batch's rows) is left to oneDNN:
+# autotuned, its GEMMs were tuned for the row count seen first and ran up to 5x slower at others (16 tokens: 90 ms
+# against 33 ms; a batch of 8 decoding plainly: 0.86x HF batched against the eager loop's 1.08x).
 TREE_OPTIONS = {"freezing": True}
 ONE_TOKEN_OPTIONS = {
     "freezing": True,
@@ -49,7 +49,7 @@ ONE_TOKEN_OPTIONS = {
     "max_autotune_report_choices_stats": False,
 }
 
-_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> CompiledPasses
+PASSES = "_specheads_compiled_passes"  # the model's attribute holding its CompiledPasses (they live and die together)
 
 
 class CompiledPasses:
@@ -72,9 +72,9 @@ class CompiledPasses:
         # every pass returns the hidden states, asked for or not: a graph without them would be one more to compile
         kwargs["output_hidden_states"] = True
         prepare_inputs(kwargs)
-        one_token = kwargs["input_ids"].shape[1] == 1 and self.model.device.type == "cpu"
+        one_row_one_token = kwargs["input_ids"].shape == (1, 1) and self.model.device.type == "cpu"
         try:
-            with torch._inductor.config.patch(ONE_TOKEN_OPTIONS if one_token else TREE_OPTIONS):
+            with torch._inductor.config.patch(ONE_TOKEN_OPTIONS if one_row_one_token else TREE_OPTIONS):
                 return self.forward(**kwargs)
         except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
             # compiling failed before the pass ran (the cache is untouched): decode eagerly from here on
@@ -115,19 +115,26 @@ def compile_target(model):
     """Decode `model` with compiled passes from now on (generate(), calibration); returns the model itself, whose
     own forward stays as it was (model.generate() and direct calls run eagerly). Compiling happens on first use,
     or ahead of it with `warm_up`."""
-    if model not in _compiled:
+    if not hasattr(model, PASSES):
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-        _compiled[model] = CompiledPasses(model)
+        setattr(model, PASSES, CompiledPasses(model))
     return model
 
 
+def compiled_settings(model) -> str | None:
+    """What calibration keys its measurements by: None for eager passes, else the compiled passes' settings (a
+    pass compiled otherwise costs otherwise)."""
+    return repr((TREE_OPTIONS, ONE_TOKEN_OPTIONS)) if is_compiled(model) else None
+
+
 def is_compiled(model) -> bool:
-    return model in _compiled and _compiled[model].failed is None
+    passes = getattr(model, PASSES, None)
+    return passes is not None and passes.failed is None
 
 
 def decoding_pass(model):
     """What decoding steps call to run `model`: its compiled passes when compile_target registered them, else the model."""
-    return _compiled.get(model, model)
+    return getattr(model, PASSES, model)
 
 
 @torch.inference_mode()
@@ -136,7 +143,7 @@ def warm_up(model, *, batch: bool = False, verbose: bool = True) -> float:
     row, and for batches too with `batch`), printing a line for each on stderr; returns the seconds spent.
     generate() calls it first, so that no call spends minutes compiling without saying so. A model not
     registered by compile_target is left alone."""
-    passes = _compiled.get(model)
+    passes = getattr(model, PASSES, None)
     if passes is None:
         return 0.0
     started = time.perf_counter()
