@@ -12,6 +12,12 @@ vLLM pins another transformers than this project, so the check runs in two envir
     # 3. either venv: the Markdown table
     python scripts/vllm_check.py report --out outputs/vllm-check
 
+vLLM's own speed without heads, what a user would run instead (its venv; first turns of the first `--per-category`
+questions of each category, one request at a time and all at once; the numbers to set beside
+`scripts/benchmark.py --batch-sizes 1 ...` on the same questions):
+
+    python scripts/vllm_check.py speed --out outputs/vllm-speed --dtype bfloat16 --per-category 1
+
 Both engines draft chains of `--depth` tokens (vLLM's EAGLE drafts chains), so their acceptance compares like
 with like: tau is new tokens per target forward pass, vLLM's is 1 + accepted draft tokens per draft.
 The vLLM half imports nothing from this project.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -106,6 +113,50 @@ def run_vllm(args) -> None:
     print(f"{name}: {len(record['outputs'])} outputs in {seconds:.1f} s" + (f", acceptance length {record['acceptance_length']:.2f}" if args.speculate else ""))
 
 
+def run_vllm_speed(args) -> None:
+    """vLLM without speculation on the dev questions' first turns: tokens/s one request at a time, and all at once."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from common import chat_prompt, read_questions
+
+    target = args.model or str(_default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    taken, questions = {}, []
+    for question in read_questions(args.questions):
+        if taken.get(question["category"], 0) < args.per_category:
+            taken[question["category"]] = taken.get(question["category"], 0) + 1
+            questions.append(question)
+    prompts = [TokensPrompt(prompt_token_ids=chat_prompt(tokenizer, q["turns"][:1]).tolist()) for q in questions]
+    # enforce_eager=False: vLLM's own compiled graphs, as a user would run it
+    llm = LLM(model=target, dtype=args.dtype, max_model_len=2048, seed=0, gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    llm.generate(prompts[:1], params)  # warm-up
+    started, one_tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        one_tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    one_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    together = llm.generate(prompts, params, use_tqdm=False)
+    all_seconds = time.perf_counter() - started
+    all_tokens = sum(len(r.outputs[0].token_ids) for r in together)
+    record = {"prompts": len(prompts), "dtype": args.dtype, "one_at_a_time": one_tokens / one_seconds, "all_at_once": all_tokens / all_seconds}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm-speed.json").write_text(json.dumps(record))
+    speeds = f"{record['one_at_a_time']:.1f} tokens/s one request at a time, {record['all_at_once']:.1f} all at once"
+    print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
+
+
+def _default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as this project converts it (run the project's venv once first)."""
+    path = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "smollm2-135m-instruct"
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{path} not found: load the default model once in the project's venv (python -m inference 'Hi'), or pass --model")
+    return path
+
+
 def report(args) -> None:
     out = Path(args.out)
     setup = json.loads((out / "prompts.json").read_text())
@@ -131,7 +182,7 @@ def report(args) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["ours", "vllm", "report"])
+    parser.add_argument("step", choices=["ours", "vllm", "speed", "report"])
     parser.add_argument("--out", default="outputs/vllm-check")
     parser.add_argument("--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)")
     parser.add_argument("--model", default=None, help="ours: the target (default: the embedded SmolLM2-135M-Instruct)")
@@ -140,8 +191,10 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=3, help="draft tokens per step (vLLM's num_speculative_tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)")
+    parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
+    parser.add_argument("--dtype", default="bfloat16", help="speed: the dtype vLLM runs the target in")
     args = parser.parse_args(argv)
-    {"ours": run_ours, "vllm": run_vllm, "report": report}[args.step](args)
+    {"ours": run_ours, "vllm": run_vllm, "speed": run_vllm_speed, "report": report}[args.step](args)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that import this file
