@@ -388,7 +388,7 @@ def batch_throughput(args, argv) -> None:
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
-    warm_up(model, batch=True)
+    warm_up(model, batch=max(args.batch_sizes) > 1)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # the reference rows
