@@ -31,7 +31,7 @@ from .accept import Sampling
 from .cache import new_cache
 from .compiled import compiled_settings, decoding_pass, is_compiled, warm_up
 from .drafters import as_drafter, medusa_tree_spec
-from .tree import DynamicTreeSpec, PassCost, Tree, attention_mask, position_ids
+from .tree import DynamicTreeSpec, PassCost, chain_inputs
 
 TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
@@ -111,15 +111,9 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     step_pass = decoding_pass(model)  # compiled passes are priced as compiled (inference.compiled)
 
     def verify(k: int):
-        tree = Tree.chain(torch.randint(vocab, (k,), generator=generator).to(model.device))
-        step_pass(
-            input_ids=tree.tokens[None].expand(batch, -1).contiguous(),
-            cache=cache,
-            use_cache=True,
-            position_ids=position_ids(tree, context).expand(batch, -1).contiguous(),
-            attention_mask=attention_mask(tree, context, model.dtype).expand(batch, -1, -1, -1).contiguous(),
-            output_hidden_states=head is not None,  # as decoding with a head asks for them
-        )
+        chain = torch.randint(vocab, (k,), generator=generator).to(model.device)
+        # hidden states as decoding with a head asks for them
+        step_pass(cache=cache, use_cache=True, output_hidden_states=head is not None, **chain_inputs(chain, context, batch, model.dtype))
         cache.crop(-k)
 
     seconds = interleaved_medians([lambda k=k: verify(k) for k in token_counts], repeats)

@@ -32,7 +32,7 @@ from heads.attention import grouped_attention
 
 from .cache import new_cache
 from .target import cache_root
-from .tree import Tree, attention_mask, position_ids
+from .tree import chain_inputs
 
 # Inductor settings, applied around each compiled call (inductor reads them when it compiles), never set globally.
 # Weights are frozen into the graph (packed once for the matrix kernels). One row's one-token pass also autotunes
@@ -165,15 +165,7 @@ def _compile_passes(passes: CompiledPasses, rows: int, verbose: bool) -> None:
         if verbose:
             what = f"{width}-token pass for {rows} row{'s' if rows > 1 else ''}"
             print(f"compiling the target's {what} (torch.compile: a minute or two on 2 CPU cores, once a process)...", file=sys.stderr, flush=True)
-        tree = Tree.chain(prompt[0, :width])
-        past = cache.get_seq_length()
         tick = time.perf_counter()
-        passes(
-            input_ids=tree.tokens[None].expand(rows, -1).contiguous(),
-            cache=cache,
-            use_cache=True,
-            position_ids=position_ids(tree, past).expand(rows, -1).contiguous(),
-            attention_mask=attention_mask(tree, past, model.dtype).expand(rows, -1, -1, -1).contiguous(),
-        )
+        passes(cache=cache, use_cache=True, **chain_inputs(prompt[0, :width], cache.get_seq_length(), rows, model.dtype))
         if verbose:
             print(f"  compiled in {time.perf_counter() - tick:.0f} s", file=sys.stderr, flush=True)

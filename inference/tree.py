@@ -203,6 +203,17 @@ def position_ids(tree: Tree, past_length: int) -> torch.Tensor:
     return (tree.depth + past_length).unsqueeze(0)
 
 
+def chain_inputs(tokens: torch.Tensor, past_length: int, rows: int, dtype: torch.dtype) -> dict:
+    """A verification pass's inputs for `rows` rows each verifying the chain `tokens` [k] after `past_length` cached
+    entries: input_ids, position_ids and the additive mask, each [rows, ...] and contiguous (as a batch's are)."""
+    chain = Tree.chain(tokens)
+    return {
+        "input_ids": chain.tokens[None].expand(rows, -1).contiguous(),
+        "position_ids": position_ids(chain, past_length).expand(rows, -1).contiguous(),
+        "attention_mask": attention_mask(chain, past_length, dtype).expand(rows, -1, -1, -1).contiguous(),
+    }
+
+
 def retrieve_indices(tree: Tree) -> torch.Tensor:
     """[leaves, max_depth + 1]: node indices on each root-to-leaf path, padded with -1 (Medusa's layout)."""
     n = tree.size

@@ -133,20 +133,25 @@ def test_siblings_that_repeat_a_token_are_sampled_exactly(setup, monkeypatch):
     print(f"\nrepeated siblings: band {band:.4f}, engine {ours:.4f}, verified as proposed {as_proposed:.4f}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=1.5, top_k=4, top_p=0.95)], ids=["t1", "t1.5-k4-p0.95"])
-def test_engine_samples_the_exact_distribution_and_a_lossy_rule_does_not(setup, sampling, monkeypatch):
-    model, heads = setup
+def check_lossless_and_lossy_detected(model, heads, sampling, monkeypatch, what: str = "") -> None:
+    """The engine's TV stays inside an exact sampler's band at every sample count; a lossy rule's falls outside."""
     exact = exact_distribution(model, sampling)
     assert (exact > 0.01).sum() >= 10, "a near-deterministic distribution would prove nothing"
     bands = {n: exact_sampler_band(exact, n) for n in COUNTS}
     ours = engine_tv(model, heads, sampling, exact)
     for n in COUNTS:
-        assert ours[n] < bands[n], f"TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
+        assert ours[n] < bands[n], f"{what}TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
     monkeypatch.setattr(engine, "accept", typical_acceptance)
     lossy = engine_tv(model, heads, sampling, exact)
-    assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
-    print(f"\n{sampling}: bands {bands}, engine {ours}, lossy {lossy}")
+    assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"{what}the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
+    print(f"\n{what}{sampling}: bands {bands}, engine {ours}, lossy {lossy}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=1.5, top_k=4, top_p=0.95)], ids=["t1", "t1.5-k4-p0.95"])
+def test_engine_samples_the_exact_distribution_and_a_lossy_rule_does_not(setup, sampling, monkeypatch):
+    model, heads = setup
+    check_lossless_and_lossy_detected(model, heads, sampling, monkeypatch)
 
 
 @pytest.mark.slow
@@ -155,12 +160,4 @@ def test_compiled_passes_sample_the_exact_distribution_and_a_lossy_rule_does_not
     instance, so the other tests here decode eagerly."""
     _, heads = setup
     model = compile_target(tiny_model("llama", vocab_size=VOCAB, init=0.25, eos=None, seed=5))
-    sampling = Sampling(temperature=1.0)
-    exact = exact_distribution(model, sampling)
-    bands = {n: exact_sampler_band(exact, n) for n in COUNTS}
-    ours = engine_tv(model, heads, sampling, exact)
-    for n in COUNTS:
-        assert ours[n] < bands[n], f"compiled: TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
-    monkeypatch.setattr(engine, "accept", typical_acceptance)
-    lossy = engine_tv(model, heads, sampling, exact)
-    assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"compiled: the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
+    check_lossless_and_lossy_detected(model, heads, Sampling(temperature=1.0), monkeypatch, what="compiled: ")
