@@ -107,7 +107,7 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (batch, context), generator=generator).to(model.device)
     cache = new_cache(model)  # holds `context` tokens a row
-    model(input_ids=tokens, cache=cache, use_cache=True, output_hidden_states=head is not None)
+    model(input_ids=tokens, cache=cache, use_cache=True)
     step_pass = decoding_pass(model)  # compiled passes are priced as compiled (inference.compiled)
 
     def verify(k: int):
