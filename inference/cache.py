@@ -22,11 +22,6 @@ class PositionLayer(DynamicLayer):
     key_buffer = value_buffer = None  # allocated at the first update
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            # a compiled pass (inference.compiled) concatenates, as DynamicLayer does: writing into the buffer while
-            # a view of it is an input too is an aliased mutation that torch.compile fails on. The next eager update
-            # moves the entries back into a buffer.
-            return super().update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.key_buffer = self.value_buffer = None

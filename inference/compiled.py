@@ -1,130 +1,201 @@
-"""The target's decoding passes through torch.compile (inductor), the Hugging Face model as it is.
+"""The target's decoding passes compiled ahead of time (torch.export + AOTInductor), the Hugging Face model as it is.
 
     model, tokenizer = load_target(dtype="bfloat16", compile=True)   # or: compile_target(model)
     generate(model, heads, prompt, tokenizer=tokenizer)              # its verification and plain passes compiled
 
 Why: an eager pass of SmolLM2-135M runs at a fraction of what the hardware allows. On a 2-core AMD EPYC
-(AVX512-BF16, bfloat16, 200 tokens cached) a one-token pass took 38 ms eager and 17 ms compiled, a 16-token pass
-62 ms and 33 ms. Nearly all of it is the weights: frozen into the graph (inductor's `freezing`), they are packed
-once for the CPU's matrix kernels, and `max_autotune` picks inductor's own GEMM template where it beats oneDNN
-(a one-row product, which reads the weights at about twice oneDNN's pace).
+(AVX512-BF16, bfloat16, 200 tokens cached) a one-token pass took 40 ms eager and 17 ms compiled, a 16-token pass
+53 ms and 25 ms, a one-token pass of 8 rows 48 ms and 25 ms. Nearly all of it is the weights: frozen into the
+compiled code (inductor's `freezing`), they are packed once for the CPU's matrix kernels.
 
-Shapes are kept from recompiling: the cache length is dynamic, so one graph serves a sequence as it grows. A
-pass over one token and a pass over a tree are two graphs (torch specializes sizes of 1), and so are one row and
-a batch: at most four graphs, each compiled the first time it is needed. The prefill stays eager (one pass a
-prompt, every length different). Compiling is slow (60-110 s a graph on 2 cores) and inductor does not
-cache graphs with packed weights across processes; its kernels and autotuning results are cached on disk
-(under SPECHEADS_CACHE/inductor), which cuts a second process's compile by about a fifth. `warm_up` compiles the
-graphs ahead of the first call, with a progress line. A model that does not compile decodes eagerly, after one
-warning naming the reason.
+One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits,
+hidden states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens,
+cache length), so one compiled graph serves plain steps, trees and batches. Compiling takes a minute or two on
+2 CPU cores; the result is a package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the
+CPU's instruction set and the library versions), so a second process loads it in under a second. The prefill stays
+eager (one pass a prompt). A model that does not export or compile decodes eagerly, after one warning naming
+the reason.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
+import transformers
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from heads.attention import grouped_attention
 
 from .cache import new_cache
 from .target import cache_root
-from .tree import chain_inputs
 
-# Inductor settings, applied around each compiled call (inductor reads them when it compiles), never set globally.
-# Weights are frozen into the graph (packed once for the matrix kernels). One row's one-token pass also autotunes
-# inductor's GEMM template against oneDNN: it reads the weights about twice as fast there (bf16, AMD EPYC: 17 ms a
-# pass against 24 ms frozen alone). A pass whose rows vary (a tree's tokens, a batch's rows) is left to oneDNN:
-# autotuned, its GEMMs were tuned for the row count seen first and ran up to 5x slower at others (16 tokens: 90 ms
-# against 33 ms; a batch of 8 decoding plainly: 0.86x HF batched against the eager loop's 1.08x).
-TREE_OPTIONS = {"freezing": True}
-ONE_TOKEN_OPTIONS = {
-    "freezing": True,
-    "max_autotune": True,
-    "max_autotune_gemm_backends": "CPP,ATEN",
-    "autotune_num_choices_displayed": 0,  # quiet: no table of kernels for every matrix product
-    "max_autotune_report_choices_stats": False,
-}
-
+FORMAT = 1  # DecodingPass's inputs and outputs; bump it when they change, so that older packages are not loaded
+INDUCTOR_OPTIONS = {"freezing": True}  # weights as constants: packed once for the matrix kernels
 PASSES = "_specheads_compiled_passes"  # the model's attribute holding its CompiledPasses (they live and die together)
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError, torch._inductor.exc.CppCompileError)
+
+
+class DecodingPass(torch.nn.Module):
+    """One decoding pass of `model` with its cache as plain tensors, the form torch.export takes: keys[i] and
+    values[i] [rows, kv_heads, cached, head_dim] for layer i. Returns the logits, every layer's hidden states and
+    the new tokens' keys and values, which the caller writes into its own cache."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        cache = Cache(layers=[_filled_layer(k, v) for k, v in zip(keys, values, strict=True)])
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True, output_hidden_states=True)
+        new = input_ids.shape[1]
+        new_keys = [layer.keys[:, :, -new:] for layer in cache.layers]
+        new_values = [layer.values[:, :, -new:] for layer in cache.layers]
+        return out.logits, tuple(out.hidden_states), new_keys, new_values
+
+
+def _filled_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
 
 
 class CompiledPasses:
-    """Calls the model like `model(**kwargs)`, through torch.compile, the sizes that change from pass to pass
-    marked dynamic. Falls back to the eager model, once and with a warning, if compiling fails."""
+    """Calls the model like `model(**kwargs)` for a decoding pass (input_ids, position_ids, a 4D attention_mask
+    and a filled cache), through the compiled package; compiles or loads it on first use. Falls back to the eager
+    model, once and with a warning, if exporting or compiling fails."""
 
     def __init__(self, model):
         self.model = model
-        with torch.inference_mode():
-            # transformers installs its hidden-state hooks on the first call that asks for hidden states, which
-            # torch.compile cannot trace: one eager call does it first
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=new_cache(model), output_hidden_states=True)
-        self.forward = torch.compile(model, dynamic=False)
+        self.runner = None
         self.failed: str | None = None
-        self.warm_rows: set[int] = set()  # row counts (1, or 2 for any batch) whose graphs warm_up compiled
+        self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
+        self._lock = threading.Lock()  # one thread compiles; the others wait for its package
 
-    def __call__(self, **kwargs):
-        if self.failed is not None:
-            return self.model(**kwargs)
-        # every pass returns the hidden states, asked for or not: a graph without them would be one more to compile
-        kwargs["output_hidden_states"] = True
-        prepare_inputs(kwargs)
-        one_row_one_token = kwargs["input_ids"].shape == (1, 1) and self.model.device.type == "cpu"
-        try:
-            with torch._inductor.config.patch(ONE_TOKEN_OPTIONS if one_row_one_token else TREE_OPTIONS):
-                return self.forward(**kwargs)
-        except (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError) as error:
-            # compiling failed before the pass ran (the cache is untouched): decode eagerly from here on
-            self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            warnings.warn(f"torch.compile failed on {type(self.model).__name__} ({self.failed}); decoding with the eager model", stacklevel=2)
-            return self.model(**kwargs)
+    def __call__(self, *, input_ids, cache, position_ids=None, attention_mask=None, **unused):
+        full_inputs = position_ids is not None and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == self.model.dtype
+        if not (full_inputs and cache.get_seq_length() > 0 and self.ready()):
+            # the package takes a decoding pass's inputs as generate() gives them (an additive 4D mask, a filled
+            # cache); anything else runs eagerly
+            return self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask, **unused)
+        layers = cache.layers
+        # plain layouts: the compiled code assumes the strides it was exported with (a cache is a view of a buffer)
+        keys = [layer.keys.contiguous() for layer in layers]
+        values = [layer.values.contiguous() for layer in layers]
+        logits, hidden_states, new_keys, new_values = self.runner(input_ids.contiguous(), position_ids.contiguous(), attention_mask.contiguous(), keys, values)
+        for layer, k, v in zip(layers, new_keys, new_values, strict=True):
+            layer.update(k, v)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
+
+    def ready(self, verbose: bool = True) -> bool:
+        """Load or compile the package if that was not done yet; False when compiling failed (decode eagerly)."""
+        if self.runner is None and self.failed is None:
+            with self._lock:
+                if self.runner is None and self.failed is None:
+                    self._prepare(verbose)
+        return self.runner is not None
+
+    def _prepare(self, verbose: bool) -> None:
+        started = time.perf_counter()
+        path = package_path(self.model)
+        if not path.exists():
+            if verbose:
+                print(
+                    f"compiling the target's decoding pass (AOTInductor: a minute or two on 2 CPU cores, once a machine; kept in {path.parent})...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            try:
+                _compile_package(self.model, path)
+            except COMPILE_ERRORS as error:
+                self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                warnings.warn(f"compiling failed on {type(self.model).__name__} ({self.failed}); decoding with the eager model", stacklevel=4)
+                return
+            if verbose:
+                print(f"  compiled in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        self.runner = torch._inductor.aoti_load_package(str(path))
+        self.compile_seconds = time.perf_counter() - started
 
 
-def prepare_inputs(kwargs: dict) -> None:
-    """Mark what changes between passes as dynamic: the cache length, the number of tokens (past one) and the
-    number of rows (past one)."""
-    ids, cache, mask = kwargs["input_ids"], kwargs["cache"], kwargs.get("attention_mask")
-    rows, new = ids.shape
-    for layer in cache.layers:
-        if layer.is_initialized:
-            # one memory layout for every pass, or the graph is compiled again for each: a cropped cache (its
-            # rejected entries dropped) and one in a buffer (after the prefill) are views with other strides
-            if not layer.keys.is_contiguous():
-                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
-            for tensor in (layer.keys, layer.values):
-                torch._dynamo.mark_dynamic(tensor, 2)
-                if rows > 1:
-                    torch._dynamo.mark_dynamic(tensor, 0)
-    varying = [ids, kwargs.get("position_ids")]
-    if mask is not None:
-        torch._dynamo.mark_dynamic(mask, 3)
-        varying.append(mask)
-    for tensor in varying:
-        if tensor is None:
-            continue
-        if new > 1:
-            torch._dynamo.mark_dynamic(tensor, tensor.dim() - 2 if tensor is mask else 1)
-        if rows > 1:
-            torch._dynamo.mark_dynamic(tensor, 0)
+def _compile_package(model, path: Path) -> None:
+    """Export one decoding pass with every size dynamic and compile it into the package at `path` (atomically)."""
+    shapes = _cache_shapes(model)
+    layers, (kv_heads, head_dim) = len(shapes), shapes[0]
+    rows, tokens, cached = 2, 3, 5  # sizes above 1 for every dynamic dimension (torch specializes 0 and 1)
+    dtype, device = model.dtype, model.device
+    past = [torch.zeros(rows, kv_heads, cached, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+    example = (
+        torch.zeros(rows, tokens, dtype=torch.long, device=device),
+        (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
+        torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
+        past,
+        [p.clone() for p in past],
+    )
+    auto = torch.export.Dim.AUTO
+    cache_shapes = [{0: auto, 2: auto}] * layers
+    dynamic_shapes = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, cache_shapes, cache_shapes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.stem}.tmp{os.getpid()}.pt2")  # the package's name must end in .pt2
+    try:
+        with torch.inference_mode(), grouped_attention(model):  # the attention generate() decodes with
+            program = torch.export.export(DecodingPass(model).eval(), example, dynamic_shapes=dynamic_shapes, strict=False)
+        with torch.no_grad():  # inductor freezes the weights only with gradients off
+            torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs=dict(INDUCTOR_OPTIONS))  # (it adds keys to it)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def _cache_shapes(model) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each layer's cache, read from a one-token pass."""
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=cache, use_cache=True)
+    return [(layer.keys.shape[1], layer.keys.shape[-1]) for layer in cache.layers]
+
+
+def package_key(model) -> str:
+    """What a package is compiled for: the weights (a sample of each tensor's values, its name, shape and dtype),
+    the config, the attention, the device and its instruction set, and the library versions."""
+    digest = hashlib.blake2b(digest_size=12)
+    device = model.device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    for part in (FORMAT, torch.__version__, transformers.__version__, str(device.type), hardware, INDUCTOR_OPTIONS, model.config.to_json_string()):
+        digest.update(repr(part).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 65536)]  # any fine-tuning changes these too; hashing all of an 8B model would take a minute
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def package_path(model) -> Path:
+    name = Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name or "model"
+    return cache_root() / "compiled" / f"{name}-{str(model.dtype).removeprefix('torch.')}-{package_key(model)}.pt2"
 
 
 def compile_target(model):
     """Decode `model` with compiled passes from now on (generate(), calibration); returns the model itself, whose
-    own forward stays as it was (model.generate() and direct calls run eagerly). Compiling happens on first use,
-    or ahead of it with `warm_up`."""
+    own forward stays as it was (model.generate() and direct calls run eagerly). The package is compiled or loaded
+    on first use, or ahead of it with `warm_up`."""
     if not hasattr(model, PASSES):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         setattr(model, PASSES, CompiledPasses(model))
     return model
 
 
 def compiled_settings(model) -> str | None:
-    """What calibration keys its measurements by: None for eager passes, else the compiled passes' settings (a
+    """What calibration keys its measurements by: None for eager passes, else the compiled package's file name (a
     pass compiled otherwise costs otherwise)."""
-    return repr((TREE_OPTIONS, ONE_TOKEN_OPTIONS)) if is_compiled(model) else None
+    return package_path(model).name if is_compiled(model) else None
 
 
 def is_compiled(model) -> bool:
@@ -137,35 +208,12 @@ def decoding_pass(model):
     return getattr(model, PASSES, model)
 
 
-@torch.inference_mode()
-def warm_up(model, *, batch: bool = False, verbose: bool = True) -> float:
-    """Compile `model`'s decoding graphs now, those not compiled yet (a one-token pass and a tree pass; for one
-    row, and for batches too with `batch`), printing a line for each on stderr; returns the seconds spent.
-    generate() calls it first, so that no call spends minutes compiling without saying so. A model not
-    registered by compile_target is left alone."""
+def warm_up(model, *, verbose: bool = True) -> float:
+    """Compile `model`'s decoding pass now (or load it from disk), with a progress line on stderr when it compiles;
+    returns the seconds spent. generate() calls it first, so that no call spends minutes compiling without saying
+    so. A model not registered by compile_target is left alone."""
     passes = getattr(model, PASSES, None)
-    if passes is None:
+    if passes is None or passes.runner is not None or passes.failed is not None:
         return 0.0
-    started = time.perf_counter()
-    with grouped_attention(model):  # the attention generate() decodes with (another one is another graph)
-        for rows in (1, 2) if batch else (1,):
-            if rows not in passes.warm_rows and passes.failed is None:
-                _compile_passes(passes, rows, verbose)
-                passes.warm_rows.add(rows)
-    return time.perf_counter() - started
-
-
-def _compile_passes(passes: CompiledPasses, rows: int, verbose: bool) -> None:
-    """Run a one-token and a 4-token pass for `rows` rows through `passes`, which compiles them."""
-    model = passes.model
-    prompt = torch.randint(model.config.vocab_size, (rows, 8), generator=torch.Generator().manual_seed(0)).to(model.device)
-    cache = new_cache(model)
-    model(input_ids=prompt, cache=cache, use_cache=True)
-    for width in (1, 4):
-        if verbose:
-            what = f"{width}-token pass for {rows} row{'s' if rows > 1 else ''}"
-            print(f"compiling the target's {what} (torch.compile: a minute or two on 2 CPU cores, once a process)...", file=sys.stderr, flush=True)
-        tick = time.perf_counter()
-        passes(cache=cache, use_cache=True, **chain_inputs(prompt[0, :width], cache.get_seq_length(), rows, model.dtype))
-        if verbose:
-            print(f"  compiled in {time.perf_counter() - tick:.0f} s", file=sys.stderr, flush=True)
+    passes.ready(verbose)
+    return passes.compile_seconds

@@ -214,8 +214,7 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
-    batch = _is_batch(prompt_or_input_ids) and len(prompt_or_input_ids) > 1 and batch_size != 1
-    warm_up(model, batch=batch)  # a compiled model's graphs not compiled yet: compiled now, and said so
+    warm_up(model)  # a compiled model whose package is not ready: compiled (and said so) or loaded now
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
             lookup = bool(lookup) if lookup is not None else len(prompt_or_input_ids) == 1 or grows_dynamic_trees(heads)

@@ -125,7 +125,8 @@ def load_target(
 ):
     """(model, tokenizer) for a hub id or local directory; None loads the embedded SmolLM2-135M-Instruct.
     With `tokenizer=False` the tokenizer is not loaded (None in its place). `compile=True`: generate() decodes
-    it with compiled passes (inference.compiled: about 2x faster passes on a CPU, after minutes of compiling).
+    it with compiled passes (inference.compiled: about 2x faster passes on a CPU; compiled once a machine, in
+    minutes, then loaded from disk).
 
     `dtype` may be "auto": bfloat16 where this device computes it faster than float32 (bfloat16_is_faster).
     Greedy output is exact against the model in the dtype it is loaded in."""

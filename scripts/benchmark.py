@@ -388,7 +388,7 @@ def batch_throughput(args, argv) -> None:
     if "hf-lookup" in args.methods:
         raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
-    warm_up(model, batch=max(args.batch_sizes) > 1)
+    warm_up(model)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
     prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # the reference rows
@@ -533,7 +533,7 @@ def main(argv=None):
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
         f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
-        + (f"  \nOur methods' passes compiled (torch.compile; {compile_seconds:.0f} s before the run; HF generate() eager)." if args.compile else "")
+        + (f"  \nOur methods' passes compiled (AOTInductor; {compile_seconds:.0f} s to compile or load first; HF generate() eager)." if args.compile else "")
     )
     write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods)
 

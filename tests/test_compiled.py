@@ -1,19 +1,18 @@
-"""Compiled passes (inference.compiled) decode exactly what the eager model does, without compiling every step.
+"""Compiled passes (inference.compiled) decode exactly what the eager model does, from one package a model.
 
-Tiny models compile in seconds a graph; each test model is its own instance, so the other test modules keep
-decoding eagerly.
+A tiny model compiles in about 20 s; the package lands in a temporary SPECHEADS_CACHE, so a second instance of
+the same weights loads it instead of compiling.
 """
 
 import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead
-from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, compile_target, generate, warm_up
-from inference.compiled import decoding_pass, is_compiled
+from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, compile_target, compiled, generate, warm_up
+from inference.compiled import decoding_pass, is_compiled, package_path
 from inference.tree import default_accuracy
 from test_exactness_tiny import random_prompts
 
@@ -21,23 +20,35 @@ NEW_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
-def compiled_llama():
+def package_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECHEADS_CACHE", str(tmp_path_factory.mktemp("specheads-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(package_cache):
     model = compile_target(tiny_model("llama"))
-    warm_up(model, verbose=False)
+    assert warm_up(model, verbose=False) > 0 and is_compiled(model)
     return model
 
 
-def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_llama):
+def recorded_shapes(model, monkeypatch) -> list[tuple[int, int]]:
+    """(rows, tokens) of every pass that runs through the compiled package from now on."""
+    passes, shapes = decoding_pass(model), []
+    runner = passes.runner
+    monkeypatch.setattr(passes, "runner", lambda ids, *rest: shapes.append(tuple(ids.shape)) or runner(ids, *rest))
+    return shapes
+
+
+def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_llama, monkeypatch):
     """An EAGLE head's dynamic trees, an oracle's 30-node tree, prompt lookup and plain steps: every width from 1
-    up, the cache growing and cropped, all through the compiled graphs; identical to HF greedy of the eager model."""
+    up, the cache growing and cropped, all through the one compiled pass; identical to HF greedy of the eager model."""
     model = compiled_llama
     torch.manual_seed(1)
     eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
-    passes, compiled_calls = decoding_pass(model), []
-    compiled_forward = passes.forward
-    passes.forward = lambda **kwargs: compiled_calls.append(kwargs["input_ids"].shape[1]) or compiled_forward(**kwargs)
-    counters.clear()
+    shapes = recorded_shapes(model, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
@@ -50,35 +61,52 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
         for name, (heads, tree) in drafters.items():
             out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             assert out.token_ids == reference, (name, prompt.tolist())
-    passes.forward = compiled_forward
-    assert is_compiled(model)
-    assert 1 in compiled_calls and max(compiled_calls) > 10, "plain steps and wide trees both ran through the compiled graphs"
-    # the warm-up compiled the one-token and the tree pass; nothing is compiled again, whatever the drafter, the
-    # widths and the lengths
-    assert counters["stats"].get("unique_graphs", 0) == 0, dict(counters["stats"])
+    widths = {tokens for _, tokens in shapes}
+    assert 1 in widths and max(widths) > 10, "plain steps and wide trees both ran through the compiled pass"
 
 
-def test_compiled_batches_match_each_row_alone():
-    model = compile_target(tiny_model("llama", seed=4))
+def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):
+    model = compiled_llama
+    shapes = recorded_shapes(model, monkeypatch)
     prompts = random_prompts(model.config.vocab_size, 5, seed=9)
     references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     outs = generate(model, PromptLookupDrafter(max_ngram=2), [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, batch_size=3, fallback=False)
     assert [o.token_ids for o in outs] == references
+    assert {rows for rows, _ in shapes} >= {3, 1}, "batches of several rows and of one ran through the one package"
 
 
-def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(monkeypatch):
-    model = compile_target(tiny_model("llama", seed=2))
-    passes = decoding_pass(model)
+def test_a_second_instance_of_the_same_weights_loads_the_package(compiled_llama, monkeypatch):
+    def compiles(*args, **kwargs):
+        raise AssertionError("compiled again")
 
-    def fails(**kwargs):
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiles)
+    again = compile_target(tiny_model("llama"))
+    assert package_path(again) == package_path(compiled_llama)
+    warm_up(again, verbose=False)
+    prompt = random_prompts(again.config.vocab_size, 1, seed=4)[0]
+    assert generate(again, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(again, prompt, NEW_TOKENS)
+    assert is_compiled(again)
+
+
+def test_other_weights_dtype_or_config_get_their_own_package(compiled_llama):
+    tuned = tiny_model("llama")
+    with torch.no_grad():
+        tuned.model.layers[0].mlp.up_proj.weight.add_(1e-3)  # a fine-tuned copy under the same name
+    others = [tuned, tiny_model("llama").to(torch.bfloat16), tiny_model("llama", layers=3)]
+    assert len({package_path(m) for m in [compiled_llama, *others]}) == 4
+
+
+def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(package_cache, monkeypatch):
+    def fails(*args, **kwargs):
         raise torch._dynamo.exc.Unsupported("a graph break that cannot be traced")
 
-    monkeypatch.setattr(passes, "forward", fails)
+    monkeypatch.setattr(compiled.torch.export, "export", fails)
+    model = compile_target(tiny_model("llama", seed=2))
     prompt = random_prompts(model.config.vocab_size, 1, seed=5)[0]
-    with pytest.warns(UserWarning, match="torch.compile failed on LlamaForCausalLM .*Unsupported.*eager model"):
+    with pytest.warns(UserWarning, match="compiling failed on LlamaForCausalLM .*Unsupported.*eager model"):
         out = generate(model, PromptLookupDrafter(), prompt, max_new_tokens=NEW_TOKENS)
     assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
-    assert not is_compiled(model)
+    assert not is_compiled(model) and not package_path(model).exists()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: the next call decodes eagerly in silence
         generate(model, None, prompt, max_new_tokens=4)
@@ -86,5 +114,4 @@ def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(monkeyp
 
 def test_the_models_own_forward_stays_eager(compiled_llama):
     assert decoding_pass(compiled_llama) is not compiled_llama
-    assert not hasattr(compiled_llama.forward, "_torchdynamo_orig_callable")
     assert decoding_pass(tiny_model("llama")).__class__.__name__ == "LlamaForCausalLM"
