@@ -137,15 +137,17 @@ def run_vllm_speed(args) -> None:
     for prompt in prompts:
         one_tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
     one_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    together = llm.generate(prompts, params, use_tqdm=False)
+    at_once = args.at_once or len(prompts)
+    started, all_tokens = time.perf_counter(), 0
+    for start in range(0, len(prompts), at_once):  # groups of `at_once` requests, each group all at once
+        together = llm.generate(prompts[start : start + at_once], params, use_tqdm=False)
+        all_tokens += sum(len(r.outputs[0].token_ids) for r in together)
     all_seconds = time.perf_counter() - started
-    all_tokens = sum(len(r.outputs[0].token_ids) for r in together)
-    record = {"prompts": len(prompts), "dtype": args.dtype, "one_at_a_time": one_tokens / one_seconds, "all_at_once": all_tokens / all_seconds}
+    record = {"prompts": len(prompts), "dtype": args.dtype, "one_at_a_time": one_tokens / one_seconds, "at_once": at_once, "all_at_once": all_tokens / all_seconds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm-speed.json").write_text(json.dumps(record))
-    speeds = f"{record['one_at_a_time']:.1f} tokens/s one request at a time, {record['all_at_once']:.1f} all at once"
+    speeds = f"{record['one_at_a_time']:.1f} tokens/s one request at a time, {record['all_at_once']:.1f} {at_once} at once"
     print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
 
 
@@ -193,6 +195,7 @@ def main(argv=None):
     parser.add_argument("--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)")
     parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
     parser.add_argument("--dtype", default="bfloat16", help="speed: the dtype vLLM runs the target in")
+    parser.add_argument("--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)")
     args = parser.parse_args(argv)
     {"ours": run_ours, "vllm": run_vllm, "speed": run_vllm_speed, "report": report}[args.step](args)
 
