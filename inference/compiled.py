@@ -106,7 +106,8 @@ class CompiledPasses:
     def _prepare(self, verbose: bool) -> None:
         started = time.perf_counter()
         path = package_path(self.model)
-        if not path.exists():
+        compiling = not path.exists()
+        if compiling:
             if verbose:
                 print(
                     f"compiling the target's decoding pass (AOTInductor: a minute or two on 2 CPU cores, once a machine; kept in {path.parent})...",
@@ -121,7 +122,18 @@ class CompiledPasses:
                 return
             if verbose:
                 print(f"  compiled in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        self.runner = torch._inductor.aoti_load_package(str(path))
+        try:
+            self.runner = torch._inductor.aoti_load_package(str(path))
+        except RuntimeError as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            path.unlink(missing_ok=True)
+            if compiling:  # just compiled and still unloadable: decode eagerly
+                self.failed = f"the compiled package does not load: {reason}"
+                warnings.warn(f"compiling failed on {type(self.model).__name__} ({self.failed}); decoding with the eager model", stacklevel=4)
+                return
+            # a package this machine cannot load (copied from another, say): compiled anew
+            warnings.warn(f"could not load the compiled package {path} ({reason}); compiling it again", stacklevel=4)
+            return self._prepare(verbose)
         self.compile_seconds = time.perf_counter() - started
 
 

@@ -143,7 +143,13 @@ def run_vllm_speed(args) -> None:
         together = llm.generate(prompts[start : start + at_once], params, use_tqdm=False)
         all_tokens += sum(len(r.outputs[0].token_ids) for r in together)
     all_seconds = time.perf_counter() - started
-    record = {"prompts": len(prompts), "dtype": args.dtype, "one_at_a_time": one_tokens / one_seconds, "at_once": at_once, "all_at_once": all_tokens / all_seconds}
+    record = {
+        "prompts": len(prompts),
+        "dtype": args.dtype,
+        "one_at_a_time": one_tokens / one_seconds,
+        "at_once": at_once,
+        "all_at_once": all_tokens / all_seconds,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm-speed.json").write_text(json.dumps(record))

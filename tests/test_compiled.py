@@ -115,3 +115,15 @@ def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(package
 def test_the_models_own_forward_stays_eager(compiled_llama):
     assert decoding_pass(compiled_llama) is not compiled_llama
     assert decoding_pass(tiny_model("llama")).__class__.__name__ == "LlamaForCausalLM"
+
+
+def test_a_package_that_does_not_load_is_compiled_again(package_cache):
+    model = compile_target(tiny_model("llama", seed=7))
+    path = package_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not a package")  # say, copied from a machine it was not compiled for
+    with pytest.warns(UserWarning, match="could not load the compiled package .* compiling it again"):
+        warm_up(model, verbose=False)
+    assert is_compiled(model) and path.stat().st_size > 1000
+    prompt = random_prompts(model.config.vocab_size, 1, seed=6)[0]
+    assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
