@@ -37,28 +37,43 @@ from heads.attention import grouped_attention
 from .cache import new_cache
 from .target import cache_root
 
-FORMAT = 1  # DecodingPass's inputs and outputs; bump it when they change, so that older packages are not loaded
+FORMAT = 2  # DecodingPass's inputs and outputs; bump it when they change, so that older packages are not loaded
 INDUCTOR_OPTIONS = {"freezing": True}  # weights as constants: packed once for the matrix kernels
 PASSES = "_specheads_compiled_passes"  # the model's attribute holding its CompiledPasses (they live and die together)
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError, torch._inductor.exc.CppCompileError)
 
 
 class DecodingPass(torch.nn.Module):
-    """One decoding pass of `model` with its cache as plain tensors, the form torch.export takes: keys[i] and
-    values[i] [rows, kv_heads, cached, head_dim] for layer i. Returns the logits, every layer's hidden states and
-    the new tokens' keys and values, which the caller writes into its own cache."""
+    """One decoding pass of `model` with its cache as plain tensors, the form torch.export takes: key_stores[i] and
+    value_stores[i] [rows, kv_heads, capacity, head_dim] for layer i, whose first entries are the cached ones (as
+    many as the mask's keys less the new tokens; the rest is room the caller's buffer keeps for later). Returns the
+    logits, every layer's hidden states and the new tokens' keys and values, which the caller writes into its cache."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, position_ids, attention_mask, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        cache = Cache(layers=[_filled_layer(k, v) for k, v in zip(keys, values, strict=True)])
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True, output_hidden_states=True)
+    def forward(self, input_ids, position_ids, attention_mask, key_stores: list[torch.Tensor], value_stores: list[torch.Tensor]):
         new = input_ids.shape[1]
+        cached = attention_mask.shape[-1] - new
+        layers = [_filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)]
+        cache = Cache(layers=layers)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True, output_hidden_states=True)
         new_keys = [layer.keys[:, :, -new:] for layer in cache.layers]
         new_values = [layer.values[:, :, -new:] for layer in cache.layers]
         return out.logits, tuple(out.hidden_states), new_keys, new_values
+
+
+def _stores(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's entries in the layout the package takes (contiguous, the cached entries first): a PositionLayer's
+    buffer rows as they are when its entries sit at their start (no copy), else a contiguous copy of the entries.
+    The compiled code assumes the strides it was exported with: a view of a buffer's first entries has others."""
+    entries = (layer.keys, layer.values)
+    buffers = (getattr(layer, "key_buffer", None), getattr(layer, "value_buffer", None))
+    if all(b is not None and e.data_ptr() == b.data_ptr() and e.stride() == b.stride() and b.is_contiguous() for e, b in zip(entries, buffers)):
+        rows = layer.keys.shape[0]
+        return buffers[0][:rows], buffers[1][:rows]
+    return entries[0].contiguous(), entries[1].contiguous()
 
 
 def _filled_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
@@ -87,10 +102,10 @@ class CompiledPasses:
             # cache); anything else runs eagerly
             return self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask, **unused)
         layers = cache.layers
-        # plain layouts: the compiled code assumes the strides it was exported with (a cache is a view of a buffer)
-        keys = [layer.keys.contiguous() for layer in layers]
-        values = [layer.values.contiguous() for layer in layers]
-        logits, hidden_states, new_keys, new_values = self.runner(input_ids.contiguous(), position_ids.contiguous(), attention_mask.contiguous(), keys, values)
+        keys, values = zip(*(_stores(layer) for layer in layers))
+        logits, hidden_states, new_keys, new_values = self.runner(
+            input_ids.contiguous(), position_ids.contiguous(), attention_mask.contiguous(), list(keys), list(values)
+        )
         for layer, k, v in zip(layers, new_keys, new_values, strict=True):
             layer.update(k, v)
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
@@ -141,9 +156,10 @@ def _compile_package(model, path: Path) -> None:
     """Export one decoding pass with every size dynamic and compile it into the package at `path` (atomically)."""
     shapes = _cache_shapes(model)
     layers, (kv_heads, head_dim) = len(shapes), shapes[0]
-    rows, tokens, cached = 2, 3, 5  # sizes above 1 for every dynamic dimension (torch specializes 0 and 1)
+    # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
+    rows, tokens, cached, capacity = 2, 3, 5, 9
     dtype, device = model.dtype, model.device
-    past = [torch.zeros(rows, kv_heads, cached, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+    past = [torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
     example = (
         torch.zeros(rows, tokens, dtype=torch.long, device=device),
         (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
