@@ -12,7 +12,7 @@ One pass, `DecodingPass` (token ids, positions, the additive mask and the cache 
 hidden states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens,
 cache length), so one compiled graph serves plain steps, trees and batches. Compiling takes a minute or two on
 2 CPU cores; the result is a package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the
-CPU's instruction set and the library versions), so a second process loads it in under a second. The prefill stays
+CPU's instruction set and the library versions), so a second process loads it in about 2 s. The prefill stays
 eager (one pass a prompt). A model that does not export or compile decodes eagerly, after one warning naming
 the reason.
 """
@@ -91,6 +91,7 @@ class CompiledPasses:
     def __init__(self, model):
         self.model = model
         self.runner = None
+        self.path: Path | None = None  # the package, once loaded
         self.failed: str | None = None
         self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
         self._lock = threading.Lock()  # one thread compiles; the others wait for its package
@@ -149,6 +150,7 @@ class CompiledPasses:
             # a package this machine cannot load (copied from another, say): compiled anew
             warnings.warn(f"could not load the compiled package {path} ({reason}); compiling it again", stacklevel=4)
             return self._prepare(verbose)
+        self.path = path
         self.compile_seconds = time.perf_counter() - started
 
 
@@ -214,7 +216,8 @@ def package_path(model) -> Path:
 def compile_target(model):
     """Decode `model` with compiled passes from now on (generate(), calibration); returns the model itself, whose
     own forward stays as it was (model.generate() and direct calls run eagerly). The package is compiled or loaded
-    on first use, or ahead of it with `warm_up`."""
+    on first use, or ahead of it with `warm_up`. It holds the weights as they were then: a model whose weights
+    change afterwards needs compile_target on a fresh instance (its new weights get a package of their own)."""
     if not hasattr(model, PASSES):
         setattr(model, PASSES, CompiledPasses(model))
     return model
@@ -223,7 +226,10 @@ def compile_target(model):
 def compiled_settings(model) -> str | None:
     """What calibration keys its measurements by: None for eager passes, else the compiled package's file name (a
     pass compiled otherwise costs otherwise)."""
-    return package_path(model).name if is_compiled(model) else None
+    if not is_compiled(model):
+        return None
+    passes = getattr(model, PASSES)
+    return (passes.path or package_path(model)).name
 
 
 def is_compiled(model) -> bool:
