@@ -278,7 +278,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (generate() over a list of prompts)")
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
-    parser.add_argument("--compile", action="store_true", help="price compiled passes (inference.compiled), as generate() on a compiled target runs them")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="price compiled passes (inference.compiled), as `python -m inference` runs them by default; --no-compile prices eager ones",
+    )
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
