@@ -133,25 +133,29 @@ class CompiledPasses:
             try:
                 _compile_package(self.model, path)
             except COMPILE_ERRORS as error:
-                self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                warnings.warn(f"compiling failed on {type(self.model).__name__} ({self.failed}); decoding with the eager model", stacklevel=4)
-                return
+                return self._fail(f"{type(error).__name__}: {_first_line(error)}")
             if verbose:
                 print(f"  compiled in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         try:
             self.runner = torch._inductor.aoti_load_package(str(path))
         except RuntimeError as error:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             path.unlink(missing_ok=True)
             if compiling:  # just compiled and still unloadable: decode eagerly
-                self.failed = f"the compiled package does not load: {reason}"
-                warnings.warn(f"compiling failed on {type(self.model).__name__} ({self.failed}); decoding with the eager model", stacklevel=4)
-                return
+                return self._fail(f"the compiled package does not load: {_first_line(error)}")
             # a package this machine cannot load (copied from another, say): compiled anew
-            warnings.warn(f"could not load the compiled package {path} ({reason}); compiling it again", stacklevel=4)
+            warnings.warn(f"could not load the compiled package {path} ({_first_line(error)}); compiling it again", stacklevel=4)
             return self._prepare(verbose)
         self.path = path
         self.compile_seconds = time.perf_counter() - started
+
+    def _fail(self, reason: str) -> None:
+        """Decode eagerly from now on, after one warning naming the reason."""
+        self.failed = reason
+        warnings.warn(f"compiling failed on {type(self.model).__name__} ({reason}); decoding with the eager model", stacklevel=5)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _compile_package(model, path: Path) -> None:
