@@ -14,7 +14,9 @@ import training.distill as distill_module
 from conftest import WORDS
 from inference import load_target
 from training.corpus import read_corpus
+from training.data import prompt_ids
 from training.distill import FOLLOW_UPS, DistillConfig, distill, reinstructed_prompts
+from training.self_prompt import RequestFilter, request_text, user_turn
 
 
 def settings(tiny_chat, root, **extra):
@@ -157,3 +159,59 @@ def test_reinstructed_answers_grow_the_corpus_and_keep_held_out_passages_out(tin
         distill(replace(config, reinstruct_source="chat", reinstructed=2))
     with pytest.raises(ValueError, match="'news' is not a source of .*'chat', 'documents'"):
         distill(replace(config, reinstruct_source="news", reinstructed=2))
+
+
+def test_request_filter_refuses_unfinished_short_and_repeated_requests():
+    seen = RequestFilter()
+    assert seen.reason(None) == "unfinished" and seen.reason("Hi there") == "too short"
+    request = "How do I plan a week of healthy dinners for a family of four on a small budget?"
+    assert seen.reason(request) is None
+    seen.add(request)
+    assert seen.reason("how do I plan a week of healthy dinners, for a family of four on a small budget") == "repeat"
+    assert seen.reason("How do I plan a week of healthy dinners for a family of five on a small budget?") == "near repeat"
+    assert seen.reason("How do I plan a week of healthy lunches for a team of ten?") is None
+    # a trigram held by many requests does not find candidates, a rare one still does
+    crowd = RequestFilter(common=3)
+    for n in range(5):
+        crowd.add(f"how do i {WORDS[n]} {WORDS[n + 5]} {WORDS[n + 10]}")
+    assert crowd.reason(f"how do i {WORDS[0]} {WORDS[5]} {WORDS[10]} please") == "near repeat"
+
+
+def test_self_prompting_needs_a_chat_template_and_a_closed_turn(tiny_chat):
+    _, tokenizer = load_target(str(tiny_chat / "model"))
+    opening, close = user_turn(tokenizer, [])
+    assert opening == "<|im_start|> user " and close == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    words = tokenizer("the cat runs", add_special_tokens=False)["input_ids"]
+    assert request_text(tokenizer, words + [close, 5], close) == "the cat runs"
+    assert request_text(tokenizer, words, close) is None  # never closed: it ran past request_tokens
+    assert request_text(tokenizer, words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words + [close], close) is None
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="self-prompting needs a chat model"):
+        user_turn(tokenizer, [])
+
+
+def test_the_target_writes_requests_answers_them_and_writes_second_turns(tiny_chat, tmp_path, monkeypatch):
+    config = settings(tiny_chat, tmp_path, answers=0, self_prompts=8, second_turn_share=0.25, request_tokens=30, batch_size=4)
+    corpus = distill(config)
+    firsts = read_corpus(corpus)
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    assert 1 <= len(firsts) <= 6 and {r["source"] for r in firsts} == {"self-prompted"} and {r["turn"] for r in firsts} == {1}
+    assert [r["id"] for r in firsts] == sorted(r["id"] for r in firsts) and all(r["id"].startswith("self-") for r in firsts)
+    unique = RequestFilter()
+    for record in firsts:
+        assert unique.reason(record["prompt"]) is None  # long enough, and no repeat of another request
+        unique.add(record["prompt"])
+        assert record["prompt_ids"] == prompt_ids(tokenizer, [{"role": "user", "content": record["prompt"]}])
+        assert record["answer_ids"] == distill_module.answer(model, tokenizer, [record["prompt_ids"]], 6)[0]
+    grown = read_corpus(distill(config))
+    assert grown[: len(firsts)] == firsts
+    seconds = [r for r in grown if r["turn"] == 2]
+    assert 1 <= len(seconds) <= 2 and len(grown) <= 8
+    for record in seconds:
+        first = next(r for r in firsts if r["id"] == record["id"])
+        assert record["follow_up"] and tokenizer.decode(record["prompt_ids"]).endswith(f"{record['follow_up']} <|im_end|> <|im_start|> assistant")
+        assert " ".join(map(str, first["prompt_ids"][:-2])) in " ".join(map(str, record["prompt_ids"]))
+    manifest = json.loads((corpus / "corpus.json").read_text())
+    assert manifest["self_prompting"] == {"temperature": 1.0, "top_p": 0.95, "request_tokens": 30}
+    with pytest.raises(ValueError, match="request_tokens=30, this run would use 31|self_prompting"):
+        distill(replace(config, request_tokens=31))

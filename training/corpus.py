@@ -13,6 +13,7 @@ from heads.io import written_atomically
 from .config import ConfigError
 
 MANIFEST_KEYS = ("dtype", "max_new_tokens", "decoding", "chat_template_sha256", "prompts", "follow_ups")
+LATER_KEYS = ("self_prompting",)  # settings added after corpora were written: an older corpus.json records them on first use
 
 
 def check_manifest(directory: Path, expected: dict) -> None:
@@ -27,21 +28,25 @@ def check_manifest(directory: Path, expected: dict) -> None:
     mismatch = TargetFingerprint(**found["target"]).mismatch(TargetFingerprint(**expected["target"]))
     if mismatch:
         raise ConfigError(f"{directory} holds answers of another model ({mismatch}); set corpus_root to another folder")
-    for key in MANIFEST_KEYS:
+    for key in MANIFEST_KEYS + tuple(k for k in LATER_KEYS if k in found):
         if found.get(key) != expected[key]:
             raise ConfigError(
                 f"{directory} was written with {key}={found.get(key)!r}, this run would use {expected[key]!r}; "
                 "answers made differently do not mix: set corpus_root to another folder or the setting back"
             )
+    if any(key not in found for key in LATER_KEYS):
+        with written_atomically(path) as staging:
+            staging.write_text(json.dumps({**found, **{k: expected[k] for k in LATER_KEYS if k not in found}}, indent=1) + "\n")
 
 
 def read_corpus(directory: str | Path) -> list[dict]:
     """Every record of a corpus folder, in shard order."""
-    records = []
-    for path in sorted(Path(directory).glob("shard-*.jsonl.gz")):
-        with gzip.open(path, "rt", encoding="utf-8") as lines:
-            records += [json.loads(line) for line in lines]
-    return records
+    return [record for path in sorted(Path(directory).glob("shard-*.jsonl.gz")) for record in read_corpus_shard(path)]
+
+
+def read_corpus_shard(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines]
 
 
 def write_shard(path: Path, records: list[dict]) -> None:

@@ -15,11 +15,17 @@ follow-up request (FOLLOW_UPS) answered after the target's own first answer, as 
 `reinstructed` answers ask a passage of a `reinstruct_source` prompt again under another of that source's
 instructions (more text grounded in a document, where the prompt file has one request a passage); their records
 have the id "<prompt id>/reinstructed", the source "<source>/reinstructed" and `prompt_of`, the prompt's own id.
+
+`self_prompts` answers, besides those, answer requests the target wrote itself (training/self_prompt.py): sampled
+from its chat template's user-turn opening, filtered, answered greedily; `second_turn_share` of them answer a second
+user turn the target wrote after its own first answer. Their records have the source "self-prompted", an id
+"self-NNNNNNN", and the request's text (`prompt` in a first turn, `follow_up` in a second).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -39,8 +45,9 @@ import inference.target
 from heads.config import TargetFingerprint, dataclass_from_dict
 
 from .config import DEFAULT_PROMPTS, ConfigError, check_numbers, parse_overrides
-from .corpus import check_manifest, read_corpus, write_shard
+from .corpus import check_manifest, read_corpus, read_corpus_shard, write_shard
 from .data import check_json_lines, interleave, prompt_ids
+from .self_prompt import TEMPERATURE, TOP_P, RequestFilter, request_text, user_turn
 
 # Second-turn requests: generic enough to follow any first answer (maths, code, documents, role-play, chat),
 # varied in what they ask (shorten, extend, rewrite, explain, restructure, critique) like real second turns.
@@ -88,14 +95,17 @@ class DistillConfig:
     seed: int = 0
     reinstruct_source: str | None = None  # a source of "<instruction>\n\n<text>" prompts (or text first) sharing a few instructions
     reinstructed: int = 0  # besides `answers`: the first N of its prompts (balanced order) asked under another of its instructions
+    self_prompts: int = 0  # besides `answers`: self-prompted answers to fill up to (first and second turns, as `answers`)
+    request_tokens: int = 192  # the longest request the target may write for itself; one it has not closed by then is dropped
+    request_tries: int = 4  # samples per request slot before the slot is given up (each refused sample is drawn again)
 
     def __post_init__(self):
         check_numbers(self)
         if self.reinstructed and not self.reinstruct_source:
             raise ConfigError("reinstructed answers need reinstruct_source: the source whose passages are asked again")
-        if self.answers < 0 or self.reinstructed < 0 or not 0 <= self.second_turn_share <= 1:
-            raise ConfigError("answers and reinstructed must be >= 0 and second_turn_share between 0 and 1")
-        for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers"):
+        if min(self.answers, self.reinstructed, self.self_prompts) < 0 or not 0 <= self.second_turn_share <= 1:
+            raise ConfigError("answers, reinstructed and self_prompts must be >= 0 and second_turn_share between 0 and 1")
+        for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers", "request_tokens", "request_tries"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -116,6 +126,7 @@ def manifest(cfg: DistillConfig, model, tokenizer) -> dict:
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
         "prompts": Path(cfg.prompts).name,
         "follow_ups": list(FOLLOW_UPS),
+        "self_prompting": {"temperature": TEMPERATURE, "top_p": TOP_P, "request_tokens": cfg.request_tokens},
     }
 
 
@@ -195,7 +206,29 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
             wanted.append(
                 {"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request, "prompt_ids": prompt_ids(tokenizer, chat)}
             )
-    return wanted + reinstructed_requests(cfg, order, tokenizer, done)
+    return wanted + reinstructed_requests(cfg, order, tokenizer, done) + self_prompt_requests(cfg, tokenizer, done)
+
+
+SELF_PROMPTED = "self-prompted"
+
+
+def self_prompt_requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
+    """Slots for the self-prompted answers the corpus lacks: first turns numbered after the corpus's last one (their
+    requests are sampled by the worker), then second turns after self-prompted first answers already in the corpus."""
+    if not cfg.self_prompts:
+        return []
+    user_turn(tokenizer, [])  # a model without a chat template is refused before any work
+    firsts = [r for r in done.values() if r["source"] == SELF_PROMPTED and r["turn"] == 1]
+    second_turns = round(cfg.self_prompts * cfg.second_turn_share)
+    after = max((int(r["id"].split("-")[1]) for r in firsts), default=-1) + 1
+    new = max(0, cfg.self_prompts - second_turns - len(firsts))
+    wanted = [{"id": f"self-{after + n:07d}", "source": SELF_PROMPTED, "turn": 1, "follow_up": None} for n in range(new)]
+    for first in firsts[:second_turns]:
+        if (first["id"], 2) not in done:
+            answer_text = tokenizer.decode(first["answer_ids"], skip_special_tokens=True)
+            history = [{"role": "user", "content": first["prompt"]}, {"role": "assistant", "content": answer_text}]
+            wanted.append({"id": first["id"], "source": SELF_PROMPTED, "turn": 2, "follow_up": None, "history": history})
+    return wanted
 
 
 def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done: dict) -> list[dict]:
@@ -226,17 +259,70 @@ def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done
 
 
 @torch.no_grad()
-def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy answers to a left-padded batch; each ends at (and includes) EOS when one came."""
+def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, **options) -> list[list[int]]:
+    """What `generate` adds to each prompt of a left-padded batch (greedy unless `options` sample)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, cache_implementation="static"
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, pad_token_id=pad, cache_implementation="static", **options
     )  # the dynamic cache was erratic for batched bf16
+    return out[:, width:].tolist()
+
+
+def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers; each ends at (and includes) EOS when one came."""
     eos = tokenizer.eos_token_id
-    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+    rows = continuations(model, tokenizer, prompts, max_new_tokens, do_sample=False)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+
+def write_requests(model, tokenizer, cfg: DistillConfig, slots: list[dict], seen: RequestFilter) -> list[dict]:
+    """Fills each slot's prompt with a user turn the target samples (a first request, or a second one after its own
+    answer in `history`); a slot whose samples are all refused is left out. First requests must repeat nothing `seen`."""
+    filled, todo = [], list(slots)
+    for attempt in range(cfg.request_tries):
+        refused = []
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            turns = [user_turn(tokenizer, slot.get("history", [])) for slot in batch]
+            openings = [tokenizer(opening, add_special_tokens=False)["input_ids"] for opening, _ in turns]
+            torch.manual_seed(int(hashlib.sha256(repr((cfg.seed, batch[0]["id"], batch[0]["turn"], attempt)).encode()).hexdigest()[:8], 16))
+            stops = sorted({close for _, close in turns} | {tokenizer.eos_token_id})
+            rows = continuations(
+                model, tokenizer, openings, cfg.request_tokens, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0, eos_token_id=stops
+            )
+            for slot, row, (_, close) in zip(batch, rows, turns):
+                text = request_text(tokenizer, row, close)
+                if slot["turn"] == 1:
+                    reason = seen.reason(text)
+                else:  # a second turn may say what many second turns say ("Thanks! Can you explain more?")
+                    reason = RequestFilter().reason(text)
+                if reason:
+                    refused.append(slot)
+                    continue
+                if slot["turn"] == 1:
+                    seen.add(text)
+                    slot["prompt"] = text
+                    slot["prompt_ids"] = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+                else:
+                    slot["follow_up"] = text
+                    slot["prompt_ids"] = prompt_ids(tokenizer, slot.pop("history") + [{"role": "user", "content": text}])
+                filled.append(slot)
+        todo = refused
+    order = {id(slot): n for n, slot in enumerate(slots)}
+    return sorted(filled, key=lambda slot: order[id(slot)])
+
+
+def self_prompted_requests(directory: Path, names: set) -> list[str]:
+    """The first requests of self-prompted records in the shards not in `names` (which is extended with theirs)."""
+    texts = []
+    for path in sorted(directory.glob("shard-*.jsonl.gz")):
+        if path.name not in names:
+            names.add(path.name)
+            texts += [r["prompt"] for r in read_corpus_shard(path) if r["source"] == SELF_PROMPTED and r["turn"] == 1]
+    return texts
 
 
 def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
@@ -253,7 +339,15 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
     model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)
     bar = tqdm(total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True)
     parent = os.getppid()
+    seen, read = RequestFilter(), set()
     for path, chunk in jobs:
+        ready, slots = [r for r in chunk if "prompt_ids" in r], [r for r in chunk if "prompt_ids" not in r]
+        if slots:
+            for text in self_prompted_requests(path.parent, read):
+                seen.add(text)
+            written = write_requests(model, tokenizer, cfg, slots, seen)
+            bar.update(len(slots) - len(written))
+            chunk = ready + written
         by_length = sorted(chunk, key=lambda r: len(r["prompt_ids"]))
         for start in range(0, len(by_length), cfg.batch_size):
             if os.getppid() != parent:  # the command was killed: an orphaned worker must not go on writing shards
@@ -262,7 +356,15 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
             for request, ids in zip(batch, answer(model, tokenizer, [r["prompt_ids"] for r in batch], cfg.max_new_tokens)):
                 request["answer_ids"] = ids
             bar.update(len(batch))
-        write_shard(path, chunk)  # in the plan's order (the answers were filled in place): a prefix stays balanced
+        with open(path.parent / "corpus.lock", "w") as lock:  # another worker's requests, written meanwhile, came first
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            others = RequestFilter()
+            for text in self_prompted_requests(path.parent, read):
+                others.add(text)
+                seen.add(text)
+            chunk = [r for r in chunk if r["source"] != SELF_PROMPTED or r["turn"] != 1 or not others.reason(r["prompt"])]
+            write_shard(path, chunk)  # in the plan's order (the answers were filled in place): a prefix stays balanced
+            read.add(path.name)
     bar.close()
 
 
