@@ -1,4 +1,5 @@
-"""What a draft head is (Medusa, EAGLE, early exit): modules, typed configs, checkpoints validated against their target."""
+"""What a draft head is (Medusa, EAGLE, early exit): modules, typed configs, checkpoints validated against their
+target."""
 
 from .config import EagleConfig, EarlyExitConfig, HeadConfigError, MedusaConfig, TargetFingerprint
 from .eagle import NO_COPY, EagleHead, copy_embedding, copy_tokens

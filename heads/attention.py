@@ -8,13 +8,16 @@ Here the query heads sharing a key/value head are folded into the query axis ins
 attention for SmolLM2-135M's 9 query heads over 3 key/value heads at batch 8).
 
 It is registered with transformers' `AttentionInterface` under GROUPED_SDPA (with "sdpa"'s mask function), the
-library's extension point for attention kernels; `grouped_attention(model)` switches an "sdpa" model to it for the
-length of a call, and the EAGLE head's decoder uses it always. The switch is the model's: another thread using the
-same model meanwhile runs through it too, which computes the same attention.
+library's extension point for attention kernels; `grouped_attention(model)` switches an "sdpa" model to it while
+any call is inside the block (the first switches, the last restores: calls from several threads overlap), and the
+EAGLE head's decoder uses it always. The switch is the model's: another thread calling the model directly meanwhile
+runs through it too, which computes the same attention.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -25,15 +28,21 @@ from transformers.masking_utils import sdpa_mask
 GROUPED_SDPA = "specheads_grouped_sdpa"
 
 
-def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+def grouped_sdpa_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' sdpa_attention_forward, with the query heads of a group folded into the query axis when
     several query tokens share a mask across heads; anything else goes to transformers' own function."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, length, dim = query.shape
     shared_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-    special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None  # transformers' function handles these
+    special = (
+        kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    )  # transformers' function handles these
     if groups == 1 or length == 1 or not shared_mask or dropout or special:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     # query head h reads key/value head h // groups (repeat_kv's order), so the heads of one group are adjacent
     folded = query.reshape(batch, heads // groups, groups * length, dim)
     mask = attention_mask.repeat(1, 1, groups, 1)  # row g * length + i of the folded query is token i
@@ -46,15 +55,26 @@ AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
+_SWITCH_LOCK = threading.Lock()
+_CALLS_INSIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls inside grouped_attention
+
+
 @contextmanager
 def grouped_attention(model):
-    """Run `model` with grouped_sdpa_attention inside the block when it uses "sdpa" (restored afterwards, also on
-    an error); any other attention implementation is left as it is."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        yield model
-        return
-    model.set_attn_implementation(GROUPED_SDPA)
+    """Run `model` with grouped_sdpa_attention inside the block when it uses "sdpa" (restored when the last call
+    inside leaves, also on an error); any other attention implementation is left as it is."""
+    with _SWITCH_LOCK:
+        switched = model in _CALLS_INSIDE or getattr(model.config, "_attn_implementation", None) == "sdpa"
+        if switched:
+            if model not in _CALLS_INSIDE:
+                model.set_attn_implementation(GROUPED_SDPA)
+            _CALLS_INSIDE[model] = _CALLS_INSIDE.get(model, 0) + 1
     try:
         yield model
     finally:
-        model.set_attn_implementation("sdpa")
+        if switched:
+            with _SWITCH_LOCK:
+                _CALLS_INSIDE[model] -= 1
+                if not _CALLS_INSIDE[model]:
+                    del _CALLS_INSIDE[model]
+                    model.set_attn_implementation("sdpa")

@@ -49,7 +49,10 @@ FIELD_TYPES = {  # annotation -> (check, what the error says it must be)
     "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_whole, v)), "a list of whole numbers"),
     "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "list[float]": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of finite numbers"),
-    "list[list[float]]": (lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v), "a list of lists of numbers"),
+    "list[list[float]]": (
+        lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v),
+        "a list of lists of numbers",
+    ),
 }
 
 
@@ -98,14 +101,25 @@ class MedusaConfig:
         check_field_types(self, ("hidden_size", "vocab_size", "num_heads", "num_layers"))
         _check_draft_vocab(self)
         if self.own_lm_heads and self.draft_vocab_size is not None:
-            raise HeadConfigError("MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must be null")
+            raise HeadConfigError(
+                "MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must "
+                "be null"
+            )
         if self.sequential and self.own_lm_heads:
-            raise HeadConfigError("MedusaConfig: own_lm_heads is for heads read from Medusa's files, which have no sequential heads: set one of them false")
+            raise HeadConfigError(
+                "MedusaConfig: own_lm_heads is for heads read from Medusa's files, which have no sequential heads: set "
+                "one of them false"
+            )
         if self.rank_accuracy is not None and (
             len(self.rank_accuracy) != self.num_heads
-            or not all(row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy)
+            or not all(
+                row and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in row) for row in self.rank_accuracy
+            )
         ):
-            raise HeadConfigError(f"rank_accuracy must hold one row of accuracies in [0, 1] per head ({self.num_heads}), got {self.rank_accuracy!r}")
+            raise HeadConfigError(
+                f"rank_accuracy must hold one row of accuracies in [0, 1] per head ({self.num_heads}), got "
+                f"{self.rank_accuracy!r}"
+            )
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> MedusaConfig:
@@ -151,7 +165,9 @@ class EagleConfig:
         if self.kind != "eagle":
             raise HeadConfigError(f"EagleConfig.kind must be 'eagle', got {self.kind!r}")
         if self.architecture not in EAGLE_ARCHITECTURES:
-            raise HeadConfigError(f"EagleConfig.architecture must be one of {list(EAGLE_ARCHITECTURES)}, got {self.architecture!r}")
+            raise HeadConfigError(
+                f"EagleConfig.architecture must be one of {list(EAGLE_ARCHITECTURES)}, got {self.architecture!r}"
+            )
         sizes = (
             "hidden_size",
             "vocab_size",
@@ -169,18 +185,27 @@ class EagleConfig:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise HeadConfigError(
-                f"EagleConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})"
+                f"EagleConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise HeadConfigError(f"EagleConfig.rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}")
+            raise HeadConfigError(
+                f"EagleConfig.rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}"
+            )
         if self.architecture != "specheads" and self.copy_input:
-            raise HeadConfigError(f"EagleConfig.copy_input is this project's input; the {self.architecture} architecture has none: set copy_input: false")
+            raise HeadConfigError(
+                f"EagleConfig.copy_input is this project's input; the {self.architecture} architecture has none: set "
+                "copy_input: false"
+            )
         if self.architecture == "eagle1" and self.feature_layers != [-1]:
-            raise HeadConfigError(f"an eagle1 head reads the target's final hidden state alone: feature_layers must be [-1], got {self.feature_layers}")
+            raise HeadConfigError(
+                "an eagle1 head reads the target's final hidden state alone: feature_layers must be [-1], got "
+                f"{self.feature_layers}"
+            )
         if self.architecture == "eagle3" and (len(self.feature_layers) < 2 or self.fc_bias is True):
             raise HeadConfigError(
-                f"an eagle3 head fuses several target layers without a bias (EAGLE-3: [2, L//2, L-3]); got feature_layers "
-                f"{self.feature_layers} and fc_bias {self.fc_bias}"
+                "an eagle3 head fuses several target layers without a bias (EAGLE-3: [2, L//2, L-3]); got "
+                f"feature_layers {self.feature_layers} and fc_bias {self.fc_bias}"
             )
 
     @property
@@ -226,12 +251,18 @@ class EarlyExitConfig:
         check_field_types(self, ("hidden_size", "vocab_size", "exit_layer"))
         _check_draft_vocab(self)
         if self.lora_rank is not None and self.lora_rank < 1:
-            raise HeadConfigError(f"EarlyExitConfig.lora_rank must be >= 1, or null for no adapter; got {self.lora_rank}")
+            raise HeadConfigError(
+                f"EarlyExitConfig.lora_rank must be >= 1, or null for no adapter; got {self.lora_rank}"
+            )
 
     @classmethod
     def for_target(cls, target_config, **overrides) -> EarlyExitConfig:
         """Exit after a quarter of the layers unless told otherwise."""
-        values = dict(hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size, exit_layer=max(1, target_config.num_hidden_layers // 4))
+        values = dict(
+            hidden_size=target_config.hidden_size,
+            vocab_size=target_config.vocab_size,
+            exit_layer=max(1, target_config.num_hidden_layers // 4),
+        )
         values.update(overrides)
         return cls(**values)
 
@@ -241,13 +272,19 @@ def check_feature_layers(config, target_config, what: str = "the head") -> None:
     states = target_config.num_hidden_layers + 1
     bad = [layer for layer in getattr(config, "feature_layers", []) if not -states <= layer < states]
     if bad:
-        raise HeadConfigError(f"{what} reads target layers {bad}, but the target has {states} hidden states (indices {-states}..{states - 1})")
+        raise HeadConfigError(
+            f"{what} reads target layers {bad}, but the target has {states} hidden states (indices "
+            f"{-states}..{states - 1})"
+        )
 
 
 def _check_draft_vocab(config) -> None:
     n = config.draft_vocab_size
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= config.vocab_size):
-        raise HeadConfigError(f"draft_vocab_size must be a whole number from 1 to the vocabulary size {config.vocab_size}, or null; got {n!r}")
+        raise HeadConfigError(
+            f"draft_vocab_size must be a whole number from 1 to the vocabulary size {config.vocab_size}, or null; got "
+            f"{n!r}"
+        )
 
 
 def _rope_theta(config) -> float:
@@ -306,8 +343,13 @@ class TargetFingerprint:
             if getattr(self, key) != getattr(other, key):
                 return f"{key} differs ({getattr(self, key)} vs {getattr(other, key)})"
         if self.weights_sample is not None and other.weights_sample is not None:
-            a, b = torch.tensor(self.weights_sample, dtype=torch.float64), torch.tensor(other.weights_sample, dtype=torch.float64)
-            if a.shape != b.shape or not bool(((a - b).abs() <= SAMPLE_TOLERANCE * torch.maximum(a.abs(), b.abs()) + 1e-6).all()):
+            a, b = (
+                torch.tensor(self.weights_sample, dtype=torch.float64),
+                torch.tensor(other.weights_sample, dtype=torch.float64),
+            )
+            if a.shape != b.shape or not bool(
+                ((a - b).abs() <= SAMPLE_TOLERANCE * torch.maximum(a.abs(), b.abs()) + 1e-6).all()
+            ):
                 return "weights_sample differs (the embedding and output weights are another model's)"
             return None
         if self.weights_sha256 != other.weights_sha256:

@@ -25,7 +25,9 @@ from .vocab import DraftVocabulary
 NO_COPY = -1  # no earlier occurrence of the bigram: the copy input is a zero vector
 
 
-def copy_tokens(ids: Sequence[int], start: int = 0, end: int | None = None, successors: MutableMapping | None = None) -> list[int]:
+def copy_tokens(
+    ids: Sequence[int], start: int = 0, end: int | None = None, successors: MutableMapping | None = None
+) -> list[int]:
     """For each pair position t in [start, end) (the head reads token t's feature and token t + 1 there): the
     token that followed the latest earlier occurrence of the bigram (ids[t], ids[t + 1]), or NO_COPY.
 
@@ -51,7 +53,9 @@ def copy_embedding(embed: nn.Module, copies: torch.Tensor) -> torch.Tensor:
 def causal_mask(new: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask [1, 1, new, past + new]: each new entry sees the cached ones and the new ones up to itself."""
     allowed = torch.arange(past + new, device=device) <= torch.arange(past, past + new, device=device)[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        None, None
+    ]
 
 
 class Eagle3Layer(nn.Module):
@@ -71,7 +75,9 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embedding, feature, position_embeddings, attention_mask, cache) -> torch.Tensor:
         both = torch.cat([self.input_layernorm(embedding), self.hidden_norm(feature)], dim=-1)
-        attended, _ = self.self_attn(both, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+        attended, _ = self.self_attn(
+            both, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+        )
         hidden = feature + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -105,7 +111,10 @@ class EagleHead(nn.Module):
             # -1, the final hidden state, comes out of the target's final norm; the others are the raw residual
             # stream, whose scale grows with depth (SmolLM2-135M: rms 10 at layer 3, 250 at layer 15, one dimension
             # above 20,000), so they are RMS-normalised before fusing or they swamp the fuse layer and its updates.
-            self.feature_norms = nn.ModuleList(nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps) for layer in config.feature_layers)
+            self.feature_norms = nn.ModuleList(
+                nn.Identity() if layer == -1 else nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+                for layer in config.feature_layers
+            )
         if config.architecture == "eagle3":
             self.layer = Eagle3Layer(layer_config)
             self.rotary = LlamaRotaryEmbedding(layer_config)
@@ -114,7 +123,9 @@ class EagleHead(nn.Module):
         else:
             self.fc = nn.Linear((3 if config.copy_input else 2) * hidden, hidden, bias=config.has_fc_bias)
             self.decoder = LlamaModel(layer_config)
-            self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as embeddings); DDP wants no idle trainables
+            self.decoder.embed_tokens.requires_grad_(
+                False
+            )  # unused (inputs come as embeddings); DDP wants no idle trainables
             if config.architecture == "eagle1":  # fc's output goes into attention as it is, and out as it is
                 self.decoder.layers[0].input_layernorm = nn.Identity()
                 self.decoder.norm = nn.Identity()
@@ -125,7 +136,9 @@ class EagleHead(nn.Module):
         """How the head's outputs become draft logits: through the target's `lm_head` (restricted to the draft
         vocabulary), or through the head's own norm and lm_head (eagle3)."""
         if self.config.architecture == "eagle3":
-            return DraftVocabulary(self.lm_head, self.draft_ids, own_rows=True, target_size=self.config.vocab_size, norm=self.norm)
+            return DraftVocabulary(
+                self.lm_head, self.draft_ids, own_rows=True, target_size=self.config.vocab_size, norm=self.norm
+            )
         return DraftVocabulary(lm_head, self.draft_ids)
 
     def fuse_features(self, feature: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ def shallow_copy(target, exit_layer: int) -> nn.Module:
     foreign = [name for name in draft.state_dict() if name not in weights]
     if foreign:
         raise HeadConfigError(
-            f"an early-exit draft of {type(target).__name__} built {exit_layer} layers deep has weights the target lacks "
-            f"({', '.join(foreign[:3])}): this architecture does not number its layers the same when shallower"
+            f"an early-exit draft of {type(target).__name__} built {exit_layer} layers deep has weights the target "
+            f"lacks ({', '.join(foreign[:3])}): this architecture does not number its layers the same when shallower"
         )
     draft.load_state_dict({name: weights[name] for name in draft.state_dict()}, assign=True)
     buffers = dict(target.named_buffers())
@@ -56,13 +56,21 @@ def shallow_copy(target, exit_layer: int) -> nn.Module:
 
 def linear_names(layer: nn.Module) -> list[str]:
     """The names of a decoder layer's linear maps (LoRA's usual targets), e.g. q_proj ... down_proj."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in layer.named_modules() if isinstance(module, (nn.Linear, Conv1D))})
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, module in layer.named_modules() if isinstance(module, (nn.Linear, Conv1D))}
+    )
 
 
 def decoder_layers(model) -> nn.ModuleList:
-    layers = [m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and re.fullmatch(r"(.*\.)?(layers|h|blocks)", name)]
+    layers = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and re.fullmatch(r"(.*\.)?(layers|h|blocks)", name)
+    ]
     if len(layers) != 1:
-        raise HeadConfigError(f"cannot find the decoder layers of {type(model).__name__} (a ModuleList named layers, h or blocks)")
+        raise HeadConfigError(
+            f"cannot find the decoder layers of {type(model).__name__} (a ModuleList named layers, h or blocks)"
+        )
     return layers[0]
 
 
@@ -76,7 +84,9 @@ class EarlyExitHead(nn.Module):
         self.config = config
         total = target.config.num_hidden_layers
         if not 1 <= config.exit_layer < total:
-            raise HeadConfigError(f"exit_layer must be from 1 to {total - 1} (the target has {total} layers), got {config.exit_layer}")
+            raise HeadConfigError(
+                f"exit_layer must be from 1 to {total - 1} (the target has {total} layers), got {config.exit_layer}"
+            )
         draft = shallow_copy(target, config.exit_layer)
         self.lora = None
         if config.lora_rank:
@@ -92,10 +102,13 @@ class EarlyExitHead(nn.Module):
                 inject_adapter_in_model(self.lora, draft)
             except ValueError as error:  # peft: no module matched
                 raise HeadConfigError(
-                    f"lora_targets {targets} name no module of {type(target).__name__}'s layers (they have {linear_names(decoder_layers(draft)[0])}): {error}"
+                    f"lora_targets {targets} name no module of {type(target).__name__}'s layers (they have "
+                    f"{linear_names(decoder_layers(draft)[0])}): {error}"
                 ) from None
             adapted = [m for m in draft.modules() if isinstance(m, LoraLayer)]
-            self.adapter = nn.ModuleList(nn.ModuleList([m.lora_A, m.lora_B]) for m in adapted)  # LoRA's own weights only
+            self.adapter = nn.ModuleList(
+                nn.ModuleList([m.lora_A, m.lora_B]) for m in adapted
+            )  # LoRA's own weights only
         object.__setattr__(self, "draft", draft)  # outside the module tree: see the class docstring
         # the target's token ids the head drafts from (set by training), saved with the weights
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
@@ -103,7 +116,13 @@ class EarlyExitHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
         """The exit's hidden state after the target's final norm, [B, T, H]: the target's output projection
         (or the draft vocabulary's rows of it) turns it into draft logits."""
-        out = self.draft.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=cache is not None)
+        out = self.draft.base_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=cache is not None,
+        )
         return out.last_hidden_state
 
     def runs_on(self, target) -> bool:
@@ -128,9 +147,17 @@ class EarlyExitHead(nn.Module):
             ours = sorted(ours) if isinstance(ours, (set, list)) else ours
             theirs = sorted(saved.get(key) or []) if isinstance(saved.get(key), list) else saved.get(key)
             if ours != theirs:
-                raise HeadConfigError(f"{directory / ADAPTER_CONFIG}: {key} is {saved.get(key)!r} but config.json implies {getattr(self.lora, key)!r}")
+                raise HeadConfigError(
+                    f"{directory / ADAPTER_CONFIG}: {key} is {saved.get(key)!r} but config.json implies "
+                    f"{getattr(self.lora, key)!r}"
+                )
         expected = set(self.adapter_state())
         if set(state) != expected:
             missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise HeadConfigError(f"{directory / ADAPTER_WEIGHTS} does not match its config: missing {missing[:3]}, unexpected {unknown[:3]}")
-        set_peft_model_state_dict(self.draft, {name.removeprefix(PEFT_PREFIX): tensor for name, tensor in state.items()})
+            raise HeadConfigError(
+                f"{directory / ADAPTER_WEIGHTS} does not match its config: missing {missing[:3]}, unexpected "
+                f"{unknown[:3]}"
+            )
+        set_peft_model_state_dict(
+            self.draft, {name.removeprefix(PEFT_PREFIX): tensor for name, tensor in state.items()}
+        )

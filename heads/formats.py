@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import EagleConfig, HeadConfigError, MedusaConfig
 from .eagle import EagleHead
+from .files import check_output_dir, written_atomically
 from .medusa import MedusaHeads
 
 FORMATS = ("ours", "eagle", "eagle3", "speculators", "medusa")
@@ -40,7 +41,9 @@ def detect_format(path: str | os.PathLike) -> str:
         return "ours"
     if "speculators_model_type" in config:
         if config["speculators_model_type"] != "eagle3":
-            raise HeadConfigError(f"{path} is a speculators {config['speculators_model_type']!r} model; only 'eagle3' heads can be loaded")
+            raise HeadConfigError(
+                f"{path} is a speculators {config['speculators_model_type']!r} model; only 'eagle3' heads can be loaded"
+            )
         return "speculators"
     if "medusa_num_heads" in config:
         return "medusa"
@@ -52,8 +55,8 @@ def detect_format(path: str | os.PathLike) -> str:
     if "fc.weight" in state and any(name.startswith("layers.0.") for name in state):
         return "eagle"
     raise HeadConfigError(
-        f"{path} holds no head this project can read: expected our config.json, or an EAGLE, EAGLE-3, speculators or Medusa "
-        f"directory (see docs/interop-formats.md); its config.json has keys {sorted(config)[:8]}"
+        f"{path} holds no head this project can read: expected our config.json, or an EAGLE, EAGLE-3, speculators or "
+        f"Medusa directory (see docs/interop-formats.md); its config.json has keys {sorted(config)[:8]}"
     )
 
 
@@ -76,34 +79,56 @@ def load_foreign(path: str | os.PathLike, target, fmt: str | None = None) -> Eag
 
 
 def write_format(
-    heads: EagleHead | MedusaHeads, path: str | os.PathLike, fmt: str, target, dtype: torch.dtype = torch.bfloat16, *, full_vocabulary: bool = False
+    heads: EagleHead | MedusaHeads,
+    path: str | os.PathLike,
+    fmt: str,
+    target,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    full_vocabulary: bool = False,
 ) -> Path:
     """Write `heads` (fitted on `target`) to a new or empty directory in format `fmt` (one of EXPORTS).
 
     Medusa's files have no place for a reduced draft vocabulary: `full_vocabulary=True` writes heads that draft
     from every token instead (other drafts, the same output); without it such heads are refused."""
-    from .io import check_output_dir, written_atomically  # io reads these formats too
 
-    writers = {"eagle": _eagle_files, "eagle3": _eagle3_files, "speculators": _speculators_files, "medusa": _medusa_files}
+    writers = {
+        "eagle": _eagle_files,
+        "eagle3": _eagle3_files,
+        "speculators": _speculators_files,
+        "medusa": _medusa_files,
+    }
     if fmt not in writers:
-        raise HeadConfigError(f"cannot write format {fmt!r}: choose one of {list(EXPORTS)} (or heads.save_heads for this project's own)")
+        raise HeadConfigError(
+            f"cannot write format {fmt!r}: choose one of {list(EXPORTS)} (or heads.save_heads for this project's own)"
+        )
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise HeadConfigError(f"cannot write {fmt} heads to {path}: it exists and is not an empty folder; choose a new output directory")
+        raise HeadConfigError(
+            f"cannot write {fmt} heads to {path}: it exists and is not an empty folder; choose a new output directory"
+        )
     check_output_dir(path)
     if fmt == "medusa" and isinstance(heads, MedusaHeads) and heads.config.sequential:
         raise HeadConfigError(
-            "these Medusa heads are sequential (each reads the token drafted before it), which Medusa's format cannot hold; "
-            "they load only from this project's own format (heads.load_heads)"
+            "these Medusa heads are sequential (each reads the token drafted before it), which Medusa's format cannot "
+            "hold; they load only from this project's own format (heads.load_heads)"
         )
-    if fmt == "medusa" and isinstance(heads, MedusaHeads) and heads.config.draft_vocab_size is not None and not full_vocabulary:
+    if (
+        fmt == "medusa"
+        and isinstance(heads, MedusaHeads)
+        and heads.config.draft_vocab_size is not None
+        and not full_vocabulary
+    ):
         raise HeadConfigError(
-            "these Medusa heads draft from a reduced vocabulary, which Medusa's format cannot hold: pass full_vocabulary=True "
-            "(python -m heads.convert ... --full-vocabulary) to write heads that draft from every token (other drafts, the "
-            "same output), or train them with draft_vocab_size: null"
+            "these Medusa heads draft from a reduced vocabulary, which Medusa's format cannot hold: pass "
+            "full_vocabulary=True (python -m inference.convert ... --full-vocabulary) to write heads that draft from "
+            "every token (other drafts, the same output), or train them with draft_vocab_size: null"
         )
     config, state, weights_name = writers[fmt](heads, target)
-    state = {name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous() for name, tensor in state.items()}
+    state = {
+        name: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        for name, tensor in state.items()
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(path) as staging:
         staging.mkdir()
@@ -142,8 +167,15 @@ def _eagle_head_config(config: dict[str, Any], where: Path, **fields) -> EagleCo
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise HeadConfigError(f"{where}: rope scaling {rope} is not supported for a draft head; only plain RoPE is")
-    if config.get("hidden_act", "silu") != "silu" or config.get("attention_bias") or config.get("qkv_bias") or config.get("mlp_bias"):
-        raise HeadConfigError(f"{where}: only Llama-style draft layers (silu, no attention or MLP biases) are supported")
+    if (
+        config.get("hidden_act", "silu") != "silu"
+        or config.get("attention_bias")
+        or config.get("qkv_bias")
+        or config.get("mlp_bias")
+    ):
+        raise HeadConfigError(
+            f"{where}: only Llama-style draft layers (silu, no attention or MLP biases) are supported"
+        )
     try:
         heads = config["num_attention_heads"]
         return EagleConfig(
@@ -167,15 +199,27 @@ def _read_eagle(path: Path, config, target):
     state = _read_weights(path, WEIGHTS)
     head_config = _eagle_head_config(config, path, architecture="eagle1", fc_bias="fc.bias" in state)
     _check_sizes(head_config, target, path)
-    ours = {("decoder." + name if name.startswith("layers.") else name): tensor for name, tensor in state.items() if name != "embed_tokens.weight"}
+    ours = {
+        ("decoder." + name if name.startswith("layers.") else name): tensor
+        for name, tensor in state.items()
+        if name != "embed_tokens.weight"
+    }
     return EagleHead(head_config), ours, state.get("embed_tokens.weight")
 
 
 def _eagle_files(heads, target):
     config = _require_eagle(heads, "eagle1", "eagle")
-    state = {name.removeprefix("decoder."): tensor for name, tensor in heads.state_dict().items() if name != "decoder.embed_tokens.weight"}
+    state = {
+        name.removeprefix("decoder."): tensor
+        for name, tensor in heads.state_dict().items()
+        if name != "decoder.embed_tokens.weight"
+    }
     state["embed_tokens.weight"] = target.get_input_embeddings().weight  # eagle-llm loads strictly: it expects the copy
-    return {**_eagle_config(config), "architectures": ["LlamaForCausalLM"], "bias": config.has_fc_bias}, state, "pytorch_model.bin"
+    return (
+        {**_eagle_config(config), "architectures": ["LlamaForCausalLM"], "bias": config.has_fc_bias},
+        state,
+        "pytorch_model.bin",
+    )
 
 
 def _feature_layers(ids, target, where: Path) -> list[int]:
@@ -183,38 +227,66 @@ def _feature_layers(ids, target, where: Path) -> list[int]:
     layers = target.config.num_hidden_layers
     ids = [2, layers // 2, layers - 3] if ids is None else list(ids)
     if not all(isinstance(i, int) and 0 <= i < layers for i in ids) or len(set(ids)) != len(ids) or len(ids) < 2:
-        raise HeadConfigError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be distinct layers in 0..{layers - 1} of the target")
+        raise HeadConfigError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be distinct layers in 0..{layers - 1} of the target"
+        )
     return sorted(ids)  # vLLM concatenates in layer order
 
 
 def _read_eagle3(path: Path, config, target):
     state = _read_weights(path, WEIGHTS)
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
     return _eagle3_heads(path, config, state, _feature_layers(ids, target, path), target, "midlayer.")
 
 
 def _eagle3_heads(path: Path, config, state, feature_layers, target, layer_prefix: str):
     if config.get("target_hidden_size") not in (None, config["hidden_size"]):
-        raise HeadConfigError(f"{path}: a draft narrower or wider than its target (target_hidden_size) is not supported")
+        raise HeadConfigError(
+            f"{path}: a draft narrower or wider than its target (target_hidden_size) is not supported"
+        )
     if config.get("num_hidden_layers", 1) != 1:
         raise HeadConfigError(f"{path}: EAGLE-3 heads of more than one layer are not supported")
     draft_size = state["lm_head.weight"].shape[0]
-    mapped = draft_size < config["vocab_size"] or bool(state.get("d2t", torch.zeros(1)).any())  # a draft vocabulary, or a reordered one
-    head_config = _eagle_head_config(config, path, architecture="eagle3", feature_layers=feature_layers, draft_vocab_size=draft_size if mapped else None)
+    mapped = draft_size < config["vocab_size"] or bool(
+        state.get("d2t", torch.zeros(1)).any()
+    )  # a draft vocabulary, or a reordered one
+    head_config = _eagle_head_config(
+        config,
+        path,
+        architecture="eagle3",
+        feature_layers=feature_layers,
+        draft_vocab_size=draft_size if mapped else None,
+    )
     _check_sizes(head_config, target, path)
-    ours = {"fuse.weight": state["fc.weight"], "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"]}
-    ours.update({"layer." + name.removeprefix(layer_prefix): t for name, t in state.items() if name.startswith(layer_prefix)})
+    ours = {
+        "fuse.weight": state["fc.weight"],
+        "norm.weight": state["norm.weight"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    ours.update(
+        {"layer." + name.removeprefix(layer_prefix): t for name, t in state.items() if name.startswith(layer_prefix)}
+    )
     if head_config.draft_vocab_size is not None:
         if "d2t" not in state:
-            raise HeadConfigError(f"{path}: a draft vocabulary of {draft_size} tokens needs its d2t mapping, which the weights lack")
+            raise HeadConfigError(
+                f"{path}: a draft vocabulary of {draft_size} tokens needs its d2t mapping, which the weights lack"
+            )
         ours["draft_ids"] = torch.arange(draft_size) + state["d2t"].long()  # d2t holds offsets: target id = i + d2t[i]
     return EagleHead(head_config), ours, state.get("embed_tokens.weight")
 
 
 def _eagle3_state(heads: EagleHead, target, layer_prefix: str) -> dict[str, torch.Tensor]:
     own = heads.state_dict()
-    state = {"fc.weight": own["fuse.weight"], "norm.weight": own["norm.weight"], "lm_head.weight": own["lm_head.weight"]}
-    state.update({layer_prefix + name.removeprefix("layer."): t for name, t in own.items() if name.startswith("layer.")})
+    state = {
+        "fc.weight": own["fuse.weight"],
+        "norm.weight": own["norm.weight"],
+        "lm_head.weight": own["lm_head.weight"],
+    }
+    state.update(
+        {layer_prefix + name.removeprefix("layer."): t for name, t in own.items() if name.startswith("layer.")}
+    )
     draft_size, vocab = own["lm_head.weight"].shape[0], heads.config.vocab_size
     ids = heads.draft_ids if heads.draft_ids is not None else torch.arange(draft_size)
     state["d2t"] = ids.long().cpu() - torch.arange(draft_size)
@@ -228,12 +300,14 @@ def _aux_layer_ids(heads: EagleHead, target) -> list[int]:
     ids = [layer % (layers + 1) for layer in heads.config.feature_layers]
     if any(i >= layers for i in ids):
         raise HeadConfigError(
-            "this head reads the target's final hidden state (layer -1), which Hugging Face gives after the final norm but vLLM "
-            "captures before it: an EAGLE-3 export would read other numbers; train with feature_layers below the last layer"
+            "this head reads the target's final hidden state (layer -1), which Hugging Face gives after the final norm "
+            "but vLLM captures before it: an EAGLE-3 export would read other numbers; train with feature_layers below "
+            "the last layer"
         )
     if ids != sorted(set(ids)):
         raise HeadConfigError(
-            f"feature_layers {heads.config.feature_layers} must be distinct and ascending to export: vLLM concatenates the layers in that order"
+            f"feature_layers {heads.config.feature_layers} must be distinct and ascending to export: vLLM concatenates "
+            "the layers in that order"
         )
     return ids
 
@@ -251,7 +325,12 @@ def _eagle3_files(heads, target):
     return out, _eagle3_state(heads, target, "midlayer."), "model.safetensors"
 
 
-SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # variants of EAGLE-3 we do not run
+SPECULATORS_FLAGS = (
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+)  # variants of EAGLE-3 we do not run
 
 
 def _read_speculators(path: Path, config, target):
@@ -259,13 +338,29 @@ def _read_speculators(path: Path, config, target):
     if not isinstance(layer, dict):
         raise HeadConfigError(f"{path}/config.json: a speculators eagle3 config needs transformer_layer_config")
     if layer.get("model_type", "llama") != "llama":
-        raise HeadConfigError(f"{path}: the draft layer is a {layer.get('model_type')!r} layer; only Llama-style layers are supported")
+        raise HeadConfigError(
+            f"{path}: the draft layer is a {layer.get('model_type')!r} layer; only Llama-style layers are supported"
+        )
     variants = [flag for flag in SPECULATORS_FLAGS if config.get(flag)]
     if variants:
-        raise HeadConfigError(f"{path}: {variants} are set; only the plain EAGLE-3 layer (all of {list(SPECULATORS_FLAGS)} false) is supported")
+        raise HeadConfigError(
+            f"{path}: {variants} are set; only the plain EAGLE-3 layer (all of {list(SPECULATORS_FLAGS)} false) is "
+            "supported"
+        )
     state = _read_weights(path, WEIGHTS)
-    merged = {**layer, "draft_vocab_size": config.get("draft_vocab_size"), "target_hidden_size": config.get("target_hidden_size")}
-    return _eagle3_heads(path, merged, state, _feature_layers(config.get("eagle_aux_hidden_state_layer_ids"), target, path), target, "layers.0.")
+    merged = {
+        **layer,
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "target_hidden_size": config.get("target_hidden_size"),
+    }
+    return _eagle3_heads(
+        path,
+        merged,
+        state,
+        _feature_layers(config.get("eagle_aux_hidden_state_layer_ids"), target, path),
+        target,
+        "layers.0.",
+    )
 
 
 def _speculators_files(heads, target):
@@ -283,9 +378,14 @@ def _speculators_files(heads, target):
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": getattr(target.config, "_name_or_path", None) or None, "architectures": list(target.config.architectures or [])},
+            "verifier": {
+                "name_or_path": getattr(target.config, "_name_or_path", None) or None,
+                "architectures": list(target.config.architectures or []),
+            },
         },
     }
     return out, _eagle3_state(heads, target, "layers.0."), "model.safetensors"
@@ -298,14 +398,20 @@ def _read_medusa(path: Path, config, target):
         raise HeadConfigError(f"{path}/config.json: medusa_num_heads and medusa_num_layers must be whole numbers >= 1")
     projection = state.get(f"0.{layers}.weight")
     if projection is None:
-        raise HeadConfigError(f"{path}: the weights lack 0.{layers}.weight, head 0's lm_head (medusa_num_layers {layers})")
+        raise HeadConfigError(
+            f"{path}: the weights lack 0.{layers}.weight, head 0's lm_head (medusa_num_layers {layers})"
+        )
     vocab, hidden = projection.shape
-    head_config = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=count, num_layers=layers, own_lm_heads=True)
+    head_config = MedusaConfig(
+        hidden_size=hidden, vocab_size=vocab, num_heads=count, num_layers=layers, own_lm_heads=True
+    )
     _check_sizes(head_config, target, path)
     ours = {}
     for name, tensor in state.items():
         parts = name.removeprefix("medusa_head.").split(".", 2)  # head, layer (lm_head: `layers`), parameter
-        if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) < count and int(parts[1]) <= layers):
+        if len(parts) < 3 or not (
+            parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) < count and int(parts[1]) <= layers
+        ):
             raise HeadConfigError(f"{path}: unexpected weight {name!r} for {count} Medusa heads of {layers} layers")
         head, index, rest = parts
         ours[f"lm_heads.{head}.{rest}" if int(index) == layers else f"heads.{head}.{index}.{rest}"] = tensor
@@ -341,7 +447,11 @@ def _medusa_files(heads, target):
 
 def _require_eagle(heads, architecture: str, fmt: str) -> EagleConfig:
     if not isinstance(heads, EagleHead) or heads.config.architecture != architecture:
-        what = f"an EAGLE head in the {heads.config.architecture} layout" if isinstance(heads, EagleHead) else f"{heads.config.kind} heads"
+        what = (
+            f"an EAGLE head in the {heads.config.architecture} layout"
+            if isinstance(heads, EagleHead)
+            else f"{heads.config.kind} heads"
+        )
         raise HeadConfigError(
             f"the {fmt} format holds EAGLE heads of the {architecture} layout, this is {what}: train one with "
             f"head.architecture: {architecture} (docs/interop.md)"
@@ -353,8 +463,8 @@ def _check_sizes(config, target, where: Path) -> None:
     if (config.hidden_size, config.vocab_size) != (target.config.hidden_size, target.config.vocab_size):
         raise HeadConfigError(
             f"{where} holds a head for hidden size {config.hidden_size} and vocab {config.vocab_size}, but the target "
-            f"{getattr(target.config, '_name_or_path', '') or target.config.model_type!r} has {target.config.hidden_size} and "
-            f"{target.config.vocab_size}: load the base model it was trained for"
+            f"{getattr(target.config, '_name_or_path', '') or target.config.model_type!r} has "
+            f"{target.config.hidden_size} and {target.config.vocab_size}: load the base model it was trained for"
         )
 
 
@@ -366,8 +476,8 @@ def _check_embedding(embedding: torch.Tensor | None, target, where: Path) -> Non
     theirs = embedding.float()
     if theirs.shape != mine.shape or not torch.allclose(theirs, mine, rtol=2**-7, atol=1e-6):
         raise HeadConfigError(
-            f"{where}: the head's copy of the token embedding is not the target's: it was trained for another base model "
-            f"than {getattr(target.config, '_name_or_path', '') or target.config.model_type!r}"
+            f"{where}: the head's copy of the token embedding is not the target's: it was trained for another base "
+            f"model than {getattr(target.config, '_name_or_path', '') or target.config.model_type!r}"
         )
 
 

@@ -46,14 +46,24 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
-        blocks = config.num_layers - 1 if config.sequential else config.num_layers  # a sequential head's reader is its first block
-        self.heads = nn.ModuleList(nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(blocks))) for _ in range(config.num_heads))
-        self.readers = nn.ModuleList(TokenReader(config.hidden_size) for _ in range(config.num_heads)) if config.sequential else None
+        blocks = (
+            config.num_layers - 1 if config.sequential else config.num_layers
+        )  # a sequential head's reader is its first block
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(blocks))) for _ in range(config.num_heads)
+        )
+        self.readers = (
+            nn.ModuleList(TokenReader(config.hidden_size) for _ in range(config.num_heads))
+            if config.sequential
+            else None
+        )
         # the target's token ids the heads draft from (set by training), saved with the weights
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self.lm_heads = None
         if config.own_lm_heads:
-            self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads))
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            )
 
     def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """[..., H] -> each head's feature [..., K, H]; callers project them, all heads in ONE call.
@@ -65,7 +75,9 @@ class MedusaHeads(nn.Module):
                 raise ValueError("these Medusa heads are not sequential: they read no token embeddings")
             return torch.stack([head(hidden) for head in self.heads], dim=-2)
         if token_embeddings is None or not 1 <= token_embeddings.shape[-2] <= self.config.num_heads:
-            raise ValueError(f"sequential Medusa heads need the embeddings of 1 to {self.config.num_heads} tokens, [..., D, H]")
+            raise ValueError(
+                f"sequential Medusa heads need the embeddings of 1 to {self.config.num_heads} tokens, [..., D, H]"
+            )
         features = []
         for depth in range(token_embeddings.shape[-2]):
             hidden = self.step(depth, hidden, token_embeddings[..., depth, :])
@@ -82,4 +94,6 @@ class MedusaHeads(nn.Module):
         lm_head), or each through its own lm_head."""
         if self.lm_heads is None:
             return vocab.logits(features)
-        return torch.stack([lm_head(features[..., i, :]) for i, lm_head in enumerate(self.lm_heads[: features.shape[-2]])], dim=-2)
+        return torch.stack(
+            [lm_head(features[..., i, :]) for i, lm_head in enumerate(self.lm_heads[: features.shape[-2]])], dim=-2
+        )

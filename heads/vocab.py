@@ -56,7 +56,9 @@ class DraftVocabulary:
         """This vocabulary plus the target tokens `token_ids` that are not in it yet (appended, their rows taken
         from the target's lm_head); itself when there are none. Only an `extensible` vocabulary can grow."""
         if not self.extensible:
-            raise ValueError("this draft vocabulary has rows of its own (an EAGLE-3 head's lm_head): no other token can join it")
+            raise ValueError(
+                "this draft vocabulary has rows of its own (an EAGLE-3 head's lm_head): no other token can join it"
+            )
         new = token_ids.unique()
         new = new[~self.member[new]]
         if new.numel() == 0:

@@ -21,7 +21,8 @@ from .generate import with_defaults
 
 
 def parse_tree(text: str | None, heads, model):
-    """'depth,top_k,nodes' for an EAGLE or early-exit head, 'N' (nodes) for Medusa; by default sized to this machine at every step."""
+    """'depth,top_k,nodes' for an EAGLE or early-exit head, 'N' (nodes) for Medusa; by default sized to this machine
+    at every step."""
     if heads is None:
         return None
     eagle = getattr(heads.config, "kind", "") in ("eagle", "early_exit")  # both grow dynamic trees
@@ -33,20 +34,33 @@ def parse_tree(text: str | None, heads, model):
     except ValueError:
         numbers = []
     if len(numbers) != (3 if eagle else 1):
-        raise ValueError(f"--tree for {'an EAGLE or early-exit head' if eagle else 'Medusa heads'} is {usage}, got {text!r}")
+        raise ValueError(
+            f"--tree for {'an EAGLE or early-exit head' if eagle else 'Medusa heads'} is {usage}, got {text!r}"
+        )
     return DynamicTreeSpec(*numbers) if eagle else medusa_tree_spec(heads, nodes=numbers[0])
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("prompt", nargs="?", help="one prompt to answer (omit with --chat)")
     parser.add_argument("--chat", action="store_true", help="an interactive conversation; an empty line ends it")
-    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
-    parser.add_argument("--no-lookup", action="store_true", help="do not merge prompt-lookup drafts into the head's tree")
-    parser.add_argument("--no-fallback", action="store_true", help="draft at every step, even where plain decoding would be faster")
     parser.add_argument(
-        "--tree", default=None, help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: nodes"
+        "--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--heads", default=None, help="a head checkpoint directory (EAGLE or Medusa)")
+    parser.add_argument(
+        "--no-lookup", action="store_true", help="do not merge prompt-lookup drafts into the head's tree"
+    )
+    parser.add_argument(
+        "--no-fallback", action="store_true", help="draft at every step, even where plain decoding would be faster"
+    )
+    parser.add_argument(
+        "--tree",
+        default=None,
+        help="auto (default: sized to this machine, see inference.calibrate); or EAGLE: depth,top_k,nodes; Medusa: "
+        "nodes",
     )
     parser.add_argument(
         "--dtype",
@@ -59,12 +73,15 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--stats", action="store_true", help="print tau, tokens/s and target forwards after each answer")
+    parser.add_argument(
+        "--stats", action="store_true", help="print tau, tokens/s and target forwards after each answer"
+    )
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compiled target passes (AOTInductor: ~2x faster on a CPU; compiled once a machine in a minute or two, then loaded in seconds)",
+        help="compiled target passes (AOTInductor: ~2x faster on a CPU; compiled once a machine in a minute or two, "
+        "then loaded in seconds)",
     )
     args = parser.parse_args(argv)
     if not args.chat and not args.prompt:
@@ -74,7 +91,9 @@ def main(argv=None):
     heads = load_heads(args.heads, model) if args.heads else None
     warm_up(model)  # compiles now with a progress line, or loads what an earlier run compiled
     tree = parse_tree(args.tree, heads, model)
-    as_drafter(with_defaults(heads, not args.no_lookup), model, tree)  # a tree that does not fit: refused now, not after a question
+    as_drafter(
+        with_defaults(heads, not args.no_lookup), model, tree
+    )  # a tree that does not fit: refused now, not after a question
 
     messages = []
 
@@ -101,9 +120,10 @@ def main(argv=None):
             s = out.stats
             by_depth = " ".join(f"{a:.2f}" for a in s.acceptance_by_depth) or "-"
             print(
-                f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.mean_accepted:.2f}, "
-                f"{s.target_forwards} target forwards ({s.plain_steps} plain); first token {1e3 * s.time_to_first_token:.0f} ms, "
-                f"then {1e3 * s.time_per_output_token:.1f} ms/token; acceptance by depth {by_depth}]",
+                f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau "
+                f"{s.mean_accepted:.2f}, {s.target_forwards} target forwards ({s.plain_steps} plain); first token "
+                f"{1e3 * s.time_to_first_token:.0f} ms, then {1e3 * s.time_per_output_token:.1f} ms/token; acceptance "
+                f"by depth {by_depth}]",
                 file=sys.stderr,
             )
 

@@ -61,8 +61,14 @@ def prefill(model, prompts: list[torch.Tensor], pad_token: int, hidden_layers: t
         )
         columns = torch.searchsorted(last, ends) if takes_keep else ends
         if keys is None:  # the batch's cache, filled group by group
-            keys = [layer.keys.new_zeros(rows, layer.keys.shape[1], width, layer.keys.shape[3]) for layer in group_cache.layers]
-            values = [layer.values.new_zeros(rows, layer.values.shape[1], width, layer.values.shape[3]) for layer in group_cache.layers]
+            keys = [
+                layer.keys.new_zeros(rows, layer.keys.shape[1], width, layer.keys.shape[3])
+                for layer in group_cache.layers
+            ]
+            values = [
+                layer.values.new_zeros(rows, layer.values.shape[1], width, layer.values.shape[3])
+                for layer in group_cache.layers
+            ]
         index = torch.tensor(group, device=ids.device)
         for layer, (k, v) in enumerate(zip(keys, values)):
             k[index, :, : ids.shape[1]] = group_cache.layers[layer].keys
@@ -100,7 +106,15 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
 
 
 def decode_batch(
-    model, drafter, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, generators: list, eos: torch.Tensor, plain: Fallback, batch_size: int
+    model,
+    drafter,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    sampling: Sampling,
+    generators: list,
+    eos: torch.Tensor,
+    plain: Fallback,
+    batch_size: int,
 ):
     """The loop: returns each row's new tokens, its target passes, the nodes its trees verified, the seconds spent
     drafting (for all rows at once: `drafter` drafts the whole batch, one head pass a level), and the steps taken
@@ -137,7 +151,13 @@ def decode_batch(
             if not bool(torch.isin(first, eos).any()) and max_new_tokens > 1:
                 going.append(row)
         going, lengths = _shrink(cache, rows, going, [prompts[row].shape[0] for row in rows])
-        return cache, going, lengths, [hidden[rows.index(row)] for row in going], [texts[row][1 : ends[row]] for row in going]
+        return (
+            cache,
+            going,
+            lengths,
+            [hidden[rows.index(row)] for row in going],
+            [texts[row][1 : ends[row]] for row in going],
+        )
 
     waiting = list(range(count))  # prompts not started yet, in order
     active, cached, cache = [], [], None  # the rows decoding, and (by slot) how many entries of theirs the cache holds
@@ -151,7 +171,11 @@ def decode_batch(
             if not joined:  # every one of them ended at its first token
                 continue
             if active:
-                append_rows(cache, [layer.keys for layer in joined_cache.layers], [layer.values for layer in joined_cache.layers])
+                append_rows(
+                    cache,
+                    [layer.keys for layer in joined_cache.layers],
+                    [layer.values for layer in joined_cache.layers],
+                )
             else:
                 cache = joined_cache
             active, cached = active + joined, cached + joined_cached
@@ -172,9 +196,13 @@ def decode_batch(
         drafting = plain.use_drafter()
         if drafting:
             budgets = [max_new_tokens - len(out_tokens[row]) for row in active]
-            proposed = drafter.propose_rows([texts[row][: ends[row]] for row in active], [budget - 1 for budget in budgets])
+            proposed = drafter.propose_rows(
+                [texts[row][: ends[row]] for row in active], [budget - 1 for budget in budgets]
+            )
             trees = [
-                verifiable_tree(tree, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, drafter_name(drafter))
+                verifiable_tree(
+                    tree, texts[row][ends[row] - 1], model.config.vocab_size, budget - 1, drafter_name(drafter)
+                )
                 for tree, row, budget in zip(proposed, active, budgets)
             ]
         else:
@@ -185,7 +213,12 @@ def decode_batch(
         length = cache.get_seq_length()
         ids, positions, mask = tree_inputs(trees, cached, length, pad, dtype)
         out = step_pass(
-            input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=bool(drafter.hidden_layers)
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(drafter.hidden_layers),
         )
         paths, still, slots = [], [], []
         greedy = greedy_tokens(out.logits) if sampling.greedy else None  # [B, N]: one argmax for all rows
@@ -215,7 +248,9 @@ def decode_batch(
             drafter.keep_rows(slots)
             draft_seconds += time.perf_counter() - started
         # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
-        plain.record(drafting, (sum(ends[row] for row in active) - step_tokens) / len(active), time.perf_counter() - step_started)
+        plain.record(
+            drafting, (sum(ends[row] for row in active) - step_tokens) / len(active), time.perf_counter() - step_started
+        )
         active, cached = _shrink(cache, active, still, cached)
     return out_tokens, passes, nodes, draft_seconds, plain_steps
 

@@ -21,7 +21,9 @@ class PositionLayer(DynamicLayer):
 
     key_buffer = value_buffer = None  # allocated at the first update
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.key_buffer = self.value_buffer = None
@@ -48,7 +50,10 @@ class PositionLayer(DynamicLayer):
         length = keys.shape[-2]
         self.key_buffer[: rows.shape[0], :, :length] = keys
         self.value_buffer[: rows.shape[0], :, :length] = values
-        self.keys, self.values = self.key_buffer[: rows.shape[0], :, :length], self.value_buffer[: rows.shape[0], :, :length]
+        self.keys, self.values = (
+            self.key_buffer[: rows.shape[0], :, :length],
+            self.value_buffer[: rows.shape[0], :, :length],
+        )
 
     def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Rows joining after the current ones, in the buffer when it has room; empty entries pad the shorter side."""
@@ -62,7 +67,10 @@ class PositionLayer(DynamicLayer):
             buffer[:rows, :, length:width] = 0
             buffer[rows : rows + joining, :, : new.shape[-2]] = new
             buffer[rows : rows + joining, :, new.shape[-2] : width] = 0
-        self.keys, self.values = self.key_buffer[: rows + joining, :, :width], self.value_buffer[: rows + joining, :, :width]
+        self.keys, self.values = (
+            self.key_buffer[: rows + joining, :, :width],
+            self.value_buffer[: rows + joining, :, :width],
+        )
 
     def _fits(self, shape, length: int) -> bool:
         """Whether `keys` still lives at the start of the buffer, and the buffer has room for entries of `shape`
@@ -148,4 +156,8 @@ def append_rows(cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> 
 def _padded(entries: torch.Tensor, length: int) -> torch.Tensor:
     """entries [rows, heads, n, dim] with zero entries after them up to `length`."""
     missing = length - entries.shape[-2]
-    return entries if missing == 0 else torch.cat([entries, entries.new_zeros(*entries.shape[:-2], missing, entries.shape[-1])], dim=-2)
+    return (
+        entries
+        if missing == 0
+        else torch.cat([entries, entries.new_zeros(*entries.shape[:-2], missing, entries.shape[-1])], dim=-2)
+    )

@@ -25,7 +25,7 @@ import torch
 
 from heads import EagleHead, EarlyExitHead, MedusaHeads, TargetFingerprint
 from heads.attention import grouped_attention
-from heads.io import written_atomically
+from heads.files import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
@@ -33,9 +33,13 @@ from .compiled import compiled_settings, decoding_pass, is_compiled, warm_up
 from .drafters import as_drafter, medusa_tree_spec
 from .tree import DynamicTreeSpec, PassCost, chain_inputs
 
-TreeHead = EagleHead | EarlyExitHead | MedusaHeads  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
+TreeHead = (
+    EagleHead | EarlyExitHead | MedusaHeads
+)  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
-MEASUREMENT_VERSION = 6  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+MEASUREMENT_VERSION = (
+    6  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
+)
 # values copied for every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned;
 # drafting timed apart from the loop) are measured again
 # Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
@@ -99,7 +103,15 @@ def measure(
     text a row, to price a draft level and what every step costs besides its pass and its levels.
     """
     with grouped_attention(model):  # the attention generate() verifies with
-        return _measure(model, head, spec, batch, context, token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS), repeats)
+        return _measure(
+            model,
+            head,
+            spec,
+            batch,
+            context,
+            token_counts or (TOKEN_COUNTS if batch == 1 else BATCH_TOKEN_COUNTS),
+            repeats,
+        )
 
 
 def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
@@ -113,7 +125,12 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
     def verify(k: int):
         chain = torch.randint(vocab, (k,), generator=generator).to(model.device)
         # hidden states as decoding with a head asks for them
-        step_pass(cache=cache, use_cache=True, output_hidden_states=head is not None, **chain_inputs(chain, context, batch, model.dtype))
+        step_pass(
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=head is not None,
+            **chain_inputs(chain, context, batch, model.dtype),
+        )
         cache.crop(-k)
 
     seconds = interleaved_medians([lambda k=k: verify(k) for k in token_counts], repeats)
@@ -129,7 +146,9 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
         spec = replace(spec or DynamicTreeSpec(), cost=None)
         depth = max(spec.depth, 2)
         rounds = max(repeats // 2, 1)  # a run gives LOOP_STEPS steps: half the rounds of the passes give more samples
-        shallow, deep = loop_step_seconds(model, head, [replace(spec, depth=1, nodes=1), replace(spec, depth=depth, nodes=1)], tokens, rounds)
+        shallow, deep = loop_step_seconds(
+            model, head, [replace(spec, depth=1, nodes=1), replace(spec, depth=depth, nodes=1)], tokens, rounds
+        )
         level = max(deep - shallow, 0.0) / (depth - 1)
         draft_level, draft_step = level / seconds[0], max(shallow - level - seconds[1], 0.0) / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level, draft_step)
@@ -170,7 +189,17 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
             # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
             drafter = as_drafter(head, model, spec, context_vocab=False)
             # room for every timed step to draft as deep as the spec asks, however many tokens the ones before took
-            decode_batch(model, drafter, rows, 1 + (2 + LOOP_STEPS) * (spec.nodes + 1) + spec.depth, Sampling(), [None] * len(rows), no_eos, clock, len(rows))
+            decode_batch(
+                model,
+                drafter,
+                rows,
+                1 + (2 + LOOP_STEPS) * (spec.nodes + 1) + spec.depth,
+                Sampling(),
+                [None] * len(rows),
+                no_eos,
+                clock,
+                len(rows),
+            )
             spent += clock.seconds[2 : 2 + LOOP_STEPS]
     return [statistics.median(spent) for spent in times]
 
@@ -179,7 +208,9 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
     head_id = None
     if head is not None:
         weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
-        head_id = hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[:16]  # an untrained early exit has no weights
+        head_id = hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[
+            :16
+        ]  # an untrained early exit has no weights
     parts = [
         TargetFingerprint.of(model).weights_sha256,
         str(model.dtype),
@@ -196,18 +227,35 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
 
 
 def load_or_measure(
-    model, head: TreeHead | None = None, spec: DynamicTreeSpec | None = None, *, batch: int = 1, refresh: bool = False, verbose: bool = False
+    model,
+    head: TreeHead | None = None,
+    spec: DynamicTreeSpec | None = None,
+    *,
+    batch: int = 1,
+    refresh: bool = False,
+    verbose: bool = False,
 ) -> PassCost:
     """The cached calibration for this model/head/dtype/machine and batch size, measured first when there is none."""
     path = cache_path(model, head, spec, batch)
     if path.is_file() and not refresh:
         try:
             saved = json.loads(path.read_text())
-            return PassCost(tuple(saved["tokens"]), tuple(float(c) for c in saved["relative"]), float(saved["draft_level"]), float(saved["draft_step"]))
+            return PassCost(
+                tuple(saved["tokens"]),
+                tuple(float(c) for c in saved["relative"]),
+                float(saved["draft_level"]),
+                float(saved["draft_step"]),
+            )
         except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
-            warnings.warn(f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again", stacklevel=2)
+            warnings.warn(
+                f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again",
+                stacklevel=2,
+            )
     if verbose:
-        print(f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}); cached in {path}", flush=True)
+        print(
+            f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}); cached in {path}",
+            flush=True,
+        )
     cost, one_pass = measure(model, head, spec, batch=batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(path) as staging:
@@ -268,21 +316,31 @@ def main(argv=None) -> None:
     from .target import load_target
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", default=None, help="an EAGLE, early-exit or sequential Medusa head checkpoint, to measure a draft level too")
+    parser.add_argument(
+        "--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--heads",
+        default=None,
+        help="an EAGLE, early-exit or sequential Medusa head checkpoint, to measure a draft level too",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo uses)",
+        help="the dtype to calibrate (auto, the default: bfloat16 where this machine computes it faster, as the demo "
+        "uses)",
     )
-    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (generate() over a list of prompts)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together (generate() over a list of prompts)"
+    )
     parser.add_argument("--refresh", action="store_true", help="measure again even when a calibration is cached")
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="price compiled passes (inference.compiled), as `python -m inference` runs them by default; --no-compile prices eager ones",
+        help="price compiled passes (inference.compiled), as `python -m inference` runs them by default; --no-compile "
+        "prices eager ones",
     )
     args = parser.parse_args(argv)
     if args.batch < 1:
@@ -293,8 +351,8 @@ def main(argv=None) -> None:
     spec = grown_tree_spec(head)
     if head is not None and spec is None:
         parser.error(
-            f"{args.heads} holds Medusa-1 heads, which draft in one pass; calibration measures the draft levels of EAGLE, early-exit "
-            "and sequential Medusa heads (omit --heads for pass costs only)"
+            f"{args.heads} holds Medusa-1 heads, which draft in one pass; calibration measures the draft levels of "
+            "EAGLE, early-exit and sequential Medusa heads (omit --heads for pass costs only)"
         )
     batch = calibration_batch(args.batch)
     cost = load_or_measure(model, head, spec, batch=batch, refresh=args.refresh, verbose=True)
@@ -302,7 +360,10 @@ def main(argv=None) -> None:
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")
     if head is not None:
-        print(f"one draft level: {cost.draft_level:.3f} x a one-token pass; every step besides its pass and levels: {cost.draft_step:.3f}")
+        print(
+            f"one draft level: {cost.draft_level:.3f} x a one-token pass; every step besides its pass and levels: "
+            f"{cost.draft_step:.3f}"
+        )
 
 
 if __name__ == "__main__":

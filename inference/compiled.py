@@ -1,7 +1,7 @@
 """The target's decoding passes compiled ahead of time (torch.export + AOTInductor), the Hugging Face model as it is.
 
     model, tokenizer = load_target(dtype="bfloat16", compile=True)   # or: compile_target(model)
-    generate(model, heads, prompt, tokenizer=tokenizer)              # its verification and plain passes compiled
+    generate(model, heads, prompt, tokenizer=tokenizer)              # its passes (and an EAGLE head's) compiled
 
 Why: an eager pass of SmolLM2-135M runs at a fraction of what the hardware allows. On a 2-core AMD EPYC
 (AVX512-BF16, bfloat16, 200 tokens cached) a one-token pass took 40 ms eager and 17 ms compiled, a 16-token pass
@@ -10,16 +10,20 @@ compiled code (inductor's `freezing`), they are packed once for the CPU's matrix
 
 One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits,
 hidden states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens,
-cache length), so one compiled graph serves plain steps, trees and batches. Compiling takes a minute or two on
-2 CPU cores; the result is a package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the
-CPU's instruction set and the library versions), so a second process loads it in about 2 s. The prefill stays
-eager (one pass a prompt). A model that does not export or compile decodes eagerly, after one warning naming
-the reason.
+cache length), so one compiled graph serves plain steps, trees and batches. An EAGLE head's passes (over the
+committed tokens and each draft level) are compiled the same way (`HeadPass`) when the target's are: 4.9 ms of
+drafting a step instead of 6.9. Compiling takes a minute or two on 2 CPU cores (84 s for SmolLM2-135M's pass,
+12 s for its EAGLE head, on a 2-core EPYC); the result is a package on disk (under SPECHEADS_CACHE/compiled,
+keyed by the weights, the dtype, the CPU's instruction set and the library versions), so a second process loads
+it in about 2 s. The prefill stays eager (one pass a prompt). A model that does not export or compile decodes
+eagerly, after one warning naming the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -33,14 +37,23 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from heads.attention import grouped_attention
+from heads.eagle import causal_mask
 
-from .cache import new_cache
+from .cache import position_cache
 from .target import cache_root
 
-FORMAT = 2  # DecodingPass's inputs and outputs; bump it when they change, so that older packages are not loaded
-INDUCTOR_OPTIONS = {"freezing": True}  # weights as constants: packed once for the matrix kernels
-PASSES = "_specheads_compiled_passes"  # the model's attribute holding its CompiledPasses (they live and die together)
-COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.InductorError, torch._inductor.exc.CppCompileError)
+FORMAT = 3  # the passes' inputs and outputs; bump it when they change, so that older packages are not loaded
+# weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
+# 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass
+INDUCTOR_OPTIONS = {"freezing": True, "aot_inductor.compile_wrapper_opt_level": "O0"}
+PASSES = "_specheads_compiled_passes"  # the module's attribute holding its compiled passes (they live and die together)
+# sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
+EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY = 2, 3, 5, 9
+COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._inductor.exc.InductorError,
+    torch._inductor.exc.CppCompileError,
+)
 
 
 class DecodingPass(torch.nn.Module):
@@ -53,12 +66,23 @@ class DecodingPass(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, position_ids, attention_mask, key_stores: list[torch.Tensor], value_stores: list[torch.Tensor]):
+    def forward(
+        self, input_ids, position_ids, attention_mask, key_stores: list[torch.Tensor], value_stores: list[torch.Tensor]
+    ):
         new = input_ids.shape[1]
         cached = attention_mask.shape[-1] - new
-        layers = [_filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)]
+        layers = [
+            _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
+        ]
         cache = Cache(layers=layers)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True, output_hidden_states=True)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         new_keys = [layer.keys[:, :, -new:] for layer in cache.layers]
         new_values = [layer.values[:, :, -new:] for layer in cache.layers]
         return out.logits, tuple(out.hidden_states), new_keys, new_values
@@ -70,7 +94,10 @@ def _stores(layer) -> tuple[torch.Tensor, torch.Tensor]:
     The compiled code assumes the strides it was exported with: a view of a buffer's first entries has others."""
     entries = (layer.keys, layer.values)
     buffers = (getattr(layer, "key_buffer", None), getattr(layer, "value_buffer", None))
-    if all(b is not None and e.data_ptr() == b.data_ptr() and e.stride() == b.stride() and b.is_contiguous() for e, b in zip(entries, buffers)):
+    if all(
+        b is not None and e.data_ptr() == b.data_ptr() and e.stride() == b.stride() and b.is_contiguous()
+        for e, b in zip(entries, buffers)
+    ):
         rows = layer.keys.shape[0]
         return buffers[0][:rows], buffers[1][:rows]
     return entries[0].contiguous(), entries[1].contiguous()
@@ -88,8 +115,10 @@ class CompiledPasses:
     and a filled cache), through the compiled package; compiles or loads it on first use. Falls back to the eager
     model, once and with a warning, if exporting or compiling fails."""
 
-    def __init__(self, model):
-        self.model = model
+    what, takes = "the target's decoding pass", "a minute or two"  # for the progress line
+
+    def __init__(self, module):
+        self.module = module
         self.runner = None
         self.path: Path | None = None  # the package, once loaded
         self.failed: str | None = None
@@ -97,19 +126,31 @@ class CompiledPasses:
         self._lock = threading.Lock()  # one thread compiles; the others wait for its package
 
     def __call__(self, *, input_ids, cache, position_ids=None, attention_mask=None, **unused):
-        full_inputs = position_ids is not None and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == self.model.dtype
+        model = self.module
+        full_inputs = (
+            position_ids is not None
+            and attention_mask is not None
+            and attention_mask.dim() == 4
+            and attention_mask.dtype == model.dtype
+        )
         if not (full_inputs and cache.get_seq_length() > 0 and self.ready()):
             # the package takes a decoding pass's inputs as generate() gives them (an additive 4D mask, a filled
             # cache); anything else runs eagerly
-            return self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask, **unused)
-        layers = cache.layers
-        keys, values = zip(*(_stores(layer) for layer in layers))
-        logits, hidden_states, new_keys, new_values = self.runner(
-            input_ids.contiguous(), position_ids.contiguous(), attention_mask.contiguous(), list(keys), list(values)
-        )
-        for layer, k, v in zip(layers, new_keys, new_values, strict=True):
-            layer.update(k, v)
+            return model(
+                input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask, **unused
+            )
+        logits, hidden_states = self._run_with_cache(cache, [input_ids, position_ids, attention_mask])
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
+
+    def _run_with_cache(self, cache, inputs: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> list:
+        """The package's outputs for (inputs, each layer's cache entries, extra); the new entries go into the cache."""
+        keys, values = zip(*(_stores(layer) for layer in cache.layers))
+        *outputs, new_keys, new_values = self.runner(
+            *[x.contiguous() for x in inputs], list(keys), list(values), *[x.contiguous() for x in extra]
+        )
+        for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
+            layer.update(k, v)
+        return outputs
 
     def ready(self, verbose: bool = True) -> bool:
         """Load or compile the package if that was not done yet; False when compiling failed (decode eagerly)."""
@@ -119,19 +160,48 @@ class CompiledPasses:
                     self._prepare(verbose)
         return self.runner is not None
 
+    def package_path(self) -> Path:
+        model = self.module
+        name = Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name or "model"
+        return (
+            cache_root()
+            / "compiled"
+            / (
+                f"{name}-{str(model.dtype).removeprefix('torch.')}-"
+                f"{package_key(model, model.config.to_json_string())}.pt2"
+            )
+        )
+
+    def export(self):
+        """The pass as torch.export's program, every size dynamic."""
+        model = self.module
+        one = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # a one-token pass shows the cache's shapes
+        shapes = _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
+        rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
+        example = (
+            torch.zeros(rows, tokens, dtype=torch.long, device=model.device),
+            (torch.arange(tokens, device=model.device) + cached).expand(rows, -1).contiguous(),
+            torch.zeros(rows, 1, tokens, cached + tokens, dtype=model.dtype, device=model.device),
+        )
+        auto = torch.export.Dim.AUTO
+        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
+        with grouped_attention(model):  # the attention generate() decodes with
+            return _export(DecodingPass(model), example, dynamic, shapes, model.dtype, model.device)
+
     def _prepare(self, verbose: bool) -> None:
         started = time.perf_counter()
-        path = package_path(self.model)
+        path = self.package_path()
         compiling = not path.exists()
         if compiling:
             if verbose:
                 print(
-                    f"compiling the target's decoding pass (AOTInductor: a minute or two on 2 CPU cores, once a machine; kept in {path.parent})...",
+                    f"compiling {self.what} (AOTInductor: {self.takes} on 2 CPU cores, once a machine; "
+                    f"kept in {path.parent})...",
                     file=sys.stderr,
                     flush=True,
                 )
             try:
-                _compile_package(self.model, path)
+                _compile_package(self, path)
             except COMPILE_ERRORS as error:
                 return self._fail(f"{type(error).__name__}: {_first_line(error)}")
             if verbose:
@@ -143,78 +213,190 @@ class CompiledPasses:
             if compiling:  # just compiled and still unloadable: decode eagerly
                 return self._fail(f"the compiled package does not load: {_first_line(error)}")
             # a package this machine cannot load (copied from another, say): compiled anew
-            warnings.warn(f"could not load the compiled package {path} ({_first_line(error)}); compiling it again", stacklevel=4)
+            warnings.warn(
+                f"could not load the compiled package {path} ({_first_line(error)}); compiling it again", stacklevel=4
+            )
             return self._prepare(verbose)
         self.path = path
         self.compile_seconds = time.perf_counter() - started
 
     def _fail(self, reason: str) -> None:
-        """Decode eagerly from now on, after one warning naming the reason."""
+        """Run eagerly from now on, after one warning naming the reason."""
         self.failed = reason
-        warnings.warn(f"compiling failed on {type(self.model).__name__} ({reason}); decoding with the eager model", stacklevel=5)
+        warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
+
+
+class HeadPass(torch.nn.Module):
+    """An EAGLE head's pass with its cache as plain tensors (as DecodingPass): (feature [rows, T, H], the next
+    tokens' embeddings, positions, the additive mask, key/value stores[, copy embeddings]) -> (its outputs [rows, T,
+    H], the new entries' keys and values)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(
+        self, feature, token_embedding, position_ids, attention_mask, key_stores, value_stores, copy_embedding=None
+    ):
+        new = feature.shape[1]
+        cached = attention_mask.shape[-1] - new
+        cache = Cache(
+            layers=[
+                _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
+            ]
+        )
+        out = self.head(
+            feature,
+            token_embedding,
+            copy_embedding,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+        )
+        return (
+            out,
+            [layer.keys[:, :, -new:] for layer in cache.layers],
+            [layer.values[:, :, -new:] for layer in cache.layers],
+        )
+
+
+class CompiledHead(CompiledPasses):
+    """Calls an EAGLE head like the head itself, through a compiled package: its passes over the committed tokens
+    and over each draft level (a 2 ms eager pass of one decoder layer, mostly overhead between small kernels)."""
+
+    what, takes = "the EAGLE head's pass", "about 15 s"
+
+    def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
+        head = self.module
+        if feature.shape[-1] != head.config.hidden_size:
+            feature = head.fuse_features(feature)  # the package takes the fused feature
+        past = cache.get_seq_length() if cache is not None else 0
+        if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
+            return head(
+                feature,
+                token_embedding,
+                copy_embedding,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+            )
+        rows, new = feature.shape[:2]
+        if attention_mask is None:  # the rows aligned: causal
+            attention_mask = causal_mask(new, past, feature.dtype, feature.device).expand(rows, -1, -1, -1)
+        extra = [copy_embedding] if copy_embedding is not None else []
+        return self._run_with_cache(cache, [feature, token_embedding, position_ids, attention_mask], extra)[0]
+
+    def package_path(self) -> Path:
+        head = self.module
+        config = json.dumps(dataclasses.asdict(head.config), sort_keys=True)
+        dtype = str(next(head.parameters()).dtype).removeprefix("torch.")
+        return cache_root() / "compiled" / f"eagle-head-{dtype}-{package_key(head, config)}.pt2"
+
+    def export(self):
+        head = self.module
+        weight = next(head.parameters())
+        dtype, device, hidden = weight.dtype, weight.device, head.config.hidden_size
+        one = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # a one-token pass shows the cache's shapes
+        position = torch.zeros(1, 1, dtype=torch.long, device=device)
+        copy = one if head.config.copy_input else None
+        shapes = _cache_shapes(lambda cache: head(one, one, copy, position_ids=position, cache=cache))
+        rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
+        inputs = torch.zeros(rows, tokens, hidden, dtype=dtype, device=device)
+        example = (
+            inputs,
+            inputs.clone(),
+            (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
+            torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
+        )
+        auto = torch.export.Dim.AUTO
+        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
+        extra = ((inputs.clone(),), ({0: auto, 1: auto},)) if head.config.copy_input else ((), ())
+        return _export(HeadPass(head), example, dynamic, shapes, dtype, device, *extra)
 
 
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _compile_package(model, path: Path) -> None:
-    """Export one decoding pass with every size dynamic and compile it into the package at `path` (atomically)."""
-    shapes = _cache_shapes(model)
-    layers, (kv_heads, head_dim) = len(shapes), shapes[0]
-    # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
-    rows, tokens, cached, capacity = 2, 3, 5, 9
-    dtype, device = model.dtype, model.device
-    past = [torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-    example = (
-        torch.zeros(rows, tokens, dtype=torch.long, device=device),
-        (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
-        torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
-        past,
-        [p.clone() for p in past],
-    )
+def _export(
+    module, example: tuple, dynamic: tuple, shapes: list[tuple[int, int]], dtype, device, extra=(), extra_dynamic=()
+):
+    """torch.export of `module(*example, key_stores, value_stores, *extra)`: stores shaped like a cache of `shapes`."""
+    stores = [
+        torch.zeros(EXAMPLE_ROWS, kv_heads, EXAMPLE_CAPACITY, head_dim, dtype=dtype, device=device)
+        for kv_heads, head_dim in shapes
+    ]
     auto = torch.export.Dim.AUTO
-    cache_shapes = [{0: auto, 2: auto}] * layers
-    dynamic_shapes = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, cache_shapes, cache_shapes)
+    cache_dynamic = [{0: auto, 2: auto}] * len(shapes)
+    with torch.inference_mode():
+        return torch.export.export(
+            module.eval(),
+            (*example, stores, [s.clone() for s in stores], *extra),
+            dynamic_shapes=(*dynamic, cache_dynamic, cache_dynamic, *extra_dynamic),
+            strict=False,
+        )
+
+
+def _compile_package(passes: CompiledPasses, path: Path) -> None:
+    """Export the pass with every size dynamic and compile it into the package at `path` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.stem}.tmp{os.getpid()}.pt2")  # the package's name must end in .pt2
     try:
-        with torch.inference_mode(), grouped_attention(model):  # the attention generate() decodes with
-            program = torch.export.export(DecodingPass(model).eval(), example, dynamic_shapes=dynamic_shapes, strict=False)
+        program = passes.export()
         with torch.no_grad():  # inductor freezes the weights only with gradients off
-            torch._inductor.aoti_compile_and_package(program, package_path=str(staging), inductor_configs=dict(INDUCTOR_OPTIONS))  # (it adds keys to it)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(staging), inductor_configs=dict(INDUCTOR_OPTIONS)
+            )  # (it adds keys to it)
         os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)
 
 
-def _cache_shapes(model) -> list[tuple[int, int]]:
+def _cache_shapes(one_token_pass) -> list[tuple[int, int]]:
     """(kv_heads, head_dim) of each layer's cache, read from a one-token pass."""
-    cache = new_cache(model)
+    cache = position_cache()
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=cache, use_cache=True)
+        one_token_pass(cache)
     return [(layer.keys.shape[1], layer.keys.shape[-1]) for layer in cache.layers]
 
 
-def package_key(model) -> str:
+def package_key(module, config: str) -> str:
     """What a package is compiled for: the weights (a sample of each tensor's values, its name, shape and dtype),
     the config, the attention, the device and its instruction set, and the library versions."""
     digest = hashlib.blake2b(digest_size=12)
-    device = model.device
+    device = next(module.parameters()).device
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
-    for part in (FORMAT, torch.__version__, transformers.__version__, str(device.type), hardware, INDUCTOR_OPTIONS, model.config.to_json_string()):
+    for part in (
+        FORMAT,
+        torch.__version__,
+        transformers.__version__,
+        str(device.type),
+        hardware,
+        INDUCTOR_OPTIONS,
+        config,
+    ):
         digest.update(repr(part).encode())
-    for name, tensor in model.state_dict().items():
+    for name, tensor in module.state_dict().items():
         flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 65536)]  # any fine-tuning changes these too; hashing all of an 8B model would take a minute
+        sample = flat[
+            :: max(1, flat.numel() // 65536)
+        ]  # any fine-tuning changes these too; hashing all of an 8B model would take a minute
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
         digest.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
 def package_path(model) -> Path:
-    name = Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name or "model"
-    return cache_root() / "compiled" / f"{name}-{str(model.dtype).removeprefix('torch.')}-{package_key(model)}.pt2"
+    return CompiledPasses(model).package_path()
+
+
+def compiled_head(head, model):
+    """What an EAGLE drafter calls to run `head`: its compiled passes when `model`'s are compiled, else the head."""
+    if not is_compiled(model):
+        return head
+    if not hasattr(head, PASSES):
+        setattr(head, PASSES, CompiledHead(head))
+    return getattr(head, PASSES)
 
 
 def compile_target(model):
@@ -242,7 +424,8 @@ def is_compiled(model) -> bool:
 
 
 def decoding_pass(model):
-    """What decoding steps call to run `model`: its compiled passes when compile_target registered them, else the model."""
+    """What decoding steps call to run `model`: its compiled passes when compile_target registered them, else the
+    model."""
     return getattr(model, PASSES, model)
 
 

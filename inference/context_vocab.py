@@ -36,7 +36,11 @@ class ContextVocabulary:
         self.current, self.unseen = self.base, None
         self.shared = rows > 1  # one sequence alone has seen every token added for it: nothing to mask
         self.read = [0] * rows  # how much of each row's text has been read
-        self.seen = torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=self.base.weight.device) if self.enabled else None
+        self.seen = (
+            torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=self.base.weight.device)
+            if self.enabled
+            else None
+        )
 
     def read_texts(self, texts: list[torch.Tensor]) -> DraftVocabulary:
         """Take in what each row committed since the last call (texts[b]: row b's whole committed text) and

@@ -18,10 +18,20 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from heads import NO_COPY, DraftVocabulary, EagleHead, EarlyExitHead, HeadConfigError, MedusaHeads, copy_embedding, copy_tokens
+from heads import (
+    NO_COPY,
+    DraftVocabulary,
+    EagleHead,
+    EarlyExitHead,
+    HeadConfigError,
+    MedusaHeads,
+    copy_embedding,
+    copy_tokens,
+)
 from heads.config import check_feature_layers
 
 from .cache import append_rows, keep_paths, keep_rows, position_cache
+from .compiled import compiled_head
 from .context_vocab import ContextVocabulary
 from .padding import prefill_groups, right_padded_mask
 from .tree import (
@@ -120,8 +130,9 @@ def _check_head_fits(heads, model, what: str) -> None:
     parameter = next(heads.parameters(), None)  # an untrained early exit has none
     if parameter is not None and (parameter.dtype, parameter.device) != (model.dtype, model.device):
         raise HeadConfigError(
-            f"{what} are in {parameter.dtype} on {parameter.device} but the target is in {model.dtype} on {model.device} "
-            f"(was the model moved or cast after its heads were loaded?): call heads.to(device=model.device, dtype=model.dtype)"
+            f"{what} are in {parameter.dtype} on {parameter.device} but the target is in {model.dtype} on "
+            f"{model.device} (was the model moved or cast after its heads were loaded?): call "
+            "heads.to(device=model.device, dtype=model.dtype)"
         )
 
 
@@ -159,12 +170,20 @@ class MedusaDrafter:
         if tree is None:
             tree = medusa_tree_spec(heads)
         self.spec = tree if isinstance(tree, DynamicTreeSpec) else None
-        self.tree = None if self.spec is not None or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
+        self.tree = (
+            None if self.spec is not None or (isinstance(tree, (list, tuple)) and not tree) else _as_static_tree(tree)
+        )
         if self.tree is not None and self.tree.max_depth > k:
-            raise TreeError(f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the checkpoint has {k}")
+            raise TreeError(
+                f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the "
+                f"checkpoint has {k}"
+            )
         vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         if self.tree is not None and self.tree.max_rank >= vocab.weight.shape[0]:
-            raise TreeError(f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from {vocab.weight.shape[0]} tokens; use lower ranks")
+            raise TreeError(
+                f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from "
+                f"{vocab.weight.shape[0]} tokens; use lower ranks"
+            )
         # heads with lm_heads of their own score only their own rows
         self.heads, self.context = heads, ContextVocabulary(vocab, context_vocab and heads.lm_heads is None)
         self.reset()
@@ -202,7 +221,9 @@ class MedusaDrafter:
             return [root_only(text) for text in texts]
         vocab = self.context.read_texts(texts)
         logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
-        top = self.context.log_probs(logits).topk(min(ranks, logits.shape[-1]), dim=-1)  # a draft vocabulary may be tiny
+        top = self.context.log_probs(logits).topk(
+            min(ranks, logits.shape[-1]), dim=-1
+        )  # a draft vocabulary may be tiny
         candidates, probabilities = vocab.to_target(top.indices), top.values.exp().tolist()
         trees = []
         for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
@@ -237,22 +258,24 @@ class DynamicTreeDrafter:
     [0, lengths[b]), entries past that are stale and masked off. Draft entries are dropped after every proposal.
 
     A subclass reads the committed texts into its cache (`_read_committed`, through `_append`, which leaves
-    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`, the frontier `depth` levels deep: their
-    outputs [rows, F, H]); outputs become draft logits through `self.vocab`.
+    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`, the
+    frontier `depth` levels deep: their outputs [rows, F, H]); outputs become draft logits through `self.vocab`.
     """
 
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str, context_vocab: bool = True):
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
-            raise TreeError(f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}")
+            raise TreeError(
+                f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}"
+            )
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
             raise TreeError(
-                f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate nodes a step "
-                f"(more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
+                f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate "
+                f"nodes a step (more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
             )
 
     @property
@@ -267,7 +290,8 @@ class DynamicTreeDrafter:
             setattr(self, name, fresh)
 
     def _new_rows(self, count: int) -> dict[str, list]:
-        """The per-row state of `count` sequences that have just started (keep_rows and add_rows keep it in row order)."""
+        """The per-row state of `count` sequences that have just started (keep_rows and add_rows keep it in row
+        order)."""
         return {
             "lengths": [0] * count,  # committed entries in the draft cache
             "levels": [self.spec.depth] * count,  # with a measured cost: how deep the row's next tree may grow
@@ -284,7 +308,9 @@ class DynamicTreeDrafter:
         are observed with the others at the next observe_rows."""
         self.context.add_rows(count)
         if self.cache.get_seq_length():
-            empty = [layer.keys.new_zeros(count, layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in self.cache.layers]
+            empty = [
+                layer.keys.new_zeros(count, layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in self.cache.layers
+            ]
             append_rows(self.cache, empty, empty)
         if self.last is not None:
             self.last = torch.cat([self.last, self.last.new_zeros(count, self.last.shape[-1])])
@@ -308,7 +334,9 @@ class DynamicTreeDrafter:
             if self.guesses[row] is not None:  # tokens: what the target committed after the root
                 tree_tokens, parents, expected = self.guesses[row]
                 self.expected[row] = RELIABILITY_DECAY * self.expected[row] + expected
-                self.realised[row] = RELIABILITY_DECAY * self.realised[row] + matched_depth(tree_tokens, parents, tokens.tolist())
+                self.realised[row] = RELIABILITY_DECAY * self.realised[row] + matched_depth(
+                    tree_tokens, parents, tokens.tolist()
+                )
                 self.guesses[row] = None
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -325,7 +353,15 @@ class DynamicTreeDrafter:
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def _append(self, counts: list[int], run) -> None:
@@ -344,7 +380,9 @@ class DynamicTreeDrafter:
         index = torch.arange(width, device=device)
         if all(n == start for n in self.lengths) and all(c == width for c in counts):
             lengths = torch.tensor(self.lengths, device=device)
-            out = run(slice(None), (lengths[:, None] + index).contiguous(), None, self.cache)  # a single sequence always lands here
+            out = run(
+                slice(None), (lengths[:, None] + index).contiguous(), None, self.cache
+            )  # a single sequence always lands here
             self.lengths, self.last = [n + width for n in self.lengths], out[:, -1]
             return
         fresh = [row for row, count in enumerate(counts) if count and not self.lengths[row]]
@@ -358,9 +396,13 @@ class DynamicTreeDrafter:
         real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
         committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
         causal = index[:, None] >= index[None, :]
-        allowed = torch.cat([committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2)
+        allowed = torch.cat(
+            [committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2
+        )
         allowed[:, index, start + index] = True  # a padding entry sees only itself
-        out = run(slice(None), lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None], self.cache)
+        out = run(
+            slice(None), lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None], self.cache
+        )
         self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
         newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
         moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
@@ -374,7 +416,12 @@ class DynamicTreeDrafter:
         width = int(lengths.max())
         own = position_cache()
         positions = torch.arange(width, device=device).expand(len(rows), -1)
-        out = run(torch.tensor(rows, device=device), positions, right_padded_mask(lengths, width, self.vocab.weight.dtype), own)
+        out = run(
+            torch.tensor(rows, device=device),
+            positions,
+            right_padded_mask(lengths, width, self.vocab.weight.dtype),
+            own,
+        )
         total, missing = len(self.lengths), width - self.cache.get_seq_length()
         for layer, entries in enumerate(own.layers):
             if missing > 0:  # the cache grows to take them (every row: stale entries for the others, masked off)
@@ -391,7 +438,9 @@ class DynamicTreeDrafter:
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return self.context.log_probs(self.vocab.logits(outputs))
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list] | None = None) -> list[Tree]:
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list] | None = None
+    ) -> list[Tree]:
         """`propose` for every row at once: texts[b] is row b's committed text, its last token the root. spans[b]:
         copied spans for row b, (tokens, log-rate) pairs, to weigh against the drafts (_select_grafted), which
         leaves in `spans_held[b]` how many of each span's first tokens the drafts held."""
@@ -406,19 +455,30 @@ class DynamicTreeDrafter:
         rows, device = len(texts), self.last.device
         k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
         nodes = DraftNodes(torch.stack([text[-1] for text in texts]), drafted_nodes(deepest, k), self.vocab)
-        frontier = nodes.add_children(torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k)
+        frontier = nodes.add_children(
+            torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
+        )
         states, fed = self.last[:, None].expand(-1, k, -1), []
         start, lengths = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device)
-        committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)  # each row's own entries
+        committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(
+            -1, k, -1
+        )  # each row's own entries
         for level in range(1, deepest):
             fed.append(frontier)
             # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
             allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
             positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
-            out = self._expand(level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions)
+            out = self._expand(
+                level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions
+            )
             children = nodes.add_children(frontier, self._log_probs(out), k)
-            best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices  # EAGLE-2: expand the likeliest
-            frontier, states = children.gather(1, best), out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
+            best = (
+                nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
+            )  # EAGLE-2: expand the likeliest
+            frontier, states = (
+                children.gather(1, best),
+                out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1])),
+            )
         self.cache.crop(-sum(f.shape[1] for f in fed))
         if spans is not None:
             return self._select_grafted(nodes, limits, max_depths, k, spans)
@@ -445,7 +505,9 @@ class DynamicTreeDrafter:
         cost = self.spec.cost
         return best_shared_tree(believed, nodes.depth[1 : nodes.count], cost, cost.draft_level, self.spec.nodes)
 
-    def _select(self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None) -> Tree:
+    def _select(
+        self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None
+    ) -> Tree:
         """Row `row`'s nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
         cost those that pay for themselves (in a batch: `width`, the count priced for all rows)."""
         if depth_limit < 1:
@@ -457,15 +519,25 @@ class DynamicTreeDrafter:
             keep_count = width
         elif self.spec.cost is not None:  # keep what pays for itself
             cost = self.spec.cost
-            keep_count = best_node_count(self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes)
+            keep_count = best_node_count(
+                self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes
+            )
         keep = select_best_nodes(scores, depth, keep_count)
         tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
-        self.guesses[row] = (tree.tokens.tolist(), tree.parents.tolist(), float(scores[keep[1:]].exp().sum()))  # EAGLE-2's expected acceptance
-        if width is None and self.spec.cost is not None and max_depth >= self.levels[row]:  # not when a caller capped this step's depth
+        self.guesses[row] = (
+            tree.tokens.tolist(),
+            tree.parents.tolist(),
+            float(scores[keep[1:]].exp().sum()),
+        )  # EAGLE-2's expected acceptance
+        if (
+            width is None and self.spec.cost is not None and max_depth >= self.levels[row]
+        ):  # not when a caller capped this step's depth
             self.levels[row] = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
         return tree
 
-    def _select_grafted(self, nodes: DraftNodes, limits: list[int], max_depths: list[int], k: int, spans: list[list]) -> list[Tree]:
+    def _select_grafted(
+        self, nodes: DraftNodes, limits: list[int], max_depths: list[int], k: int, spans: list[list]
+    ) -> list[Tree]:
         """Each row's drafts and copied spans in one pool, every tree as wide as the batch's: the likeliest of
         the pool, by the drafts' (scaled) probabilities and the spans' scores, as many as pay for their
         verification (without a measured cost: spec.nodes). A span costs no drafting, and it displaces drafts
@@ -477,8 +549,18 @@ class DynamicTreeDrafter:
         for row, row_spans in enumerate(spans):
             depth_limit = min(limits[row], levels)
             count = drafted_nodes(depth_limit, k) if depth_limit >= 1 else 1
-            believed = torch.cat([nodes.scores[row, :1], self._believed(nodes, row, count)]) if count > 1 else nodes.scores[row, :1]
-            pool = (nodes.tokens[row, :count], nodes.parents[row, :count], nodes.depth[:count], nodes.ancestors[row, :count, :count], believed)
+            believed = (
+                torch.cat([nodes.scores[row, :1], self._believed(nodes, row, count)])
+                if count > 1
+                else nodes.scores[row, :1]
+            )
+            pool = (
+                nodes.tokens[row, :count],
+                nodes.parents[row, :count],
+                nodes.depth[:count],
+                nodes.ancestors[row, :count, :count],
+                believed,
+            )
             for index, (span, log_rate) in enumerate(row_spans):
                 pool, self.spans_held[row][index] = graft_span(*pool, span, log_rate)
             pools.append((count, pool))
@@ -489,7 +571,9 @@ class DynamicTreeDrafter:
                 believed[row, : pool[4].shape[0] - 1] = pool[4][1:]
             cost = self.spec.cost
             width = int(token_rates(believed, cost, levels * cost.draft_level, self.spec.nodes).argmax())
-            if all(depth >= level for depth, level in zip(max_depths, self.levels)):  # not when a caller capped this step
+            if all(
+                depth >= level for depth, level in zip(max_depths, self.levels)
+            ):  # not when a caller capped this step
                 self.levels = [next_depth(levels, max(limits), self.spec.depth)] * len(pools)
         trees = []
         for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
@@ -497,7 +581,11 @@ class DynamicTreeDrafter:
             tree = subtree(tokens, parents, depth, ancestors, keep)
             drafted = keep[keep < count]  # the head's reliability is judged by its own drafts only
             guess = tree if drafted.shape[0] == keep.shape[0] else subtree(tokens, parents, depth, ancestors, drafted)
-            self.guesses[row] = (guess.tokens.tolist(), guess.parents.tolist(), float(nodes.scores[row, drafted[1:]].exp().sum()))
+            self.guesses[row] = (
+                guess.tokens.tolist(),
+                guess.parents.tolist(),
+                float(nodes.scores[row, drafted[1:]].exp().sum()),
+            )
             trees.append(tree)
         return trees
 
@@ -514,7 +602,13 @@ class DraftNodes:
         self.depth = torch.empty(capacity, dtype=torch.long, device=device)
         self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)  # log-probability of the path
         self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
-        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = roots, -1, 0, 0.0, True
+        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
+            roots,
+            -1,
+            0,
+            0.0,
+            True,
+        )
 
     def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
         """Each frontier node's `k` likeliest children (frontier [rows, F], log_probs [rows, F, draft vocab]);
@@ -526,7 +620,9 @@ class DraftNodes:
         self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
         self.depth[children] = self.depth[parents[0]] + 1
         self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + top.values).flatten(1)
-        self.ancestors[:, children] = self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
+        self.ancestors[:, children] = self.ancestors.gather(
+            1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])
+        )
         self.ancestors[:, children, children] = True
         self.count += width
         return children.expand(rows, -1)
@@ -549,7 +645,10 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
         _check_head_fits(heads, model, "these Medusa heads")
         tree = medusa_tree_spec(heads) if tree is None else tree
         if isinstance(tree, DynamicTreeSpec) and tree.depth > heads.config.num_heads:
-            raise TreeError(f"the tree is {tree.depth} deep, which needs {tree.depth} sequential Medusa heads; the checkpoint has {heads.config.num_heads}")
+            raise TreeError(
+                f"the tree is {tree.depth} deep, which needs {tree.depth} sequential Medusa heads; the checkpoint has "
+                f"{heads.config.num_heads}"
+            )
         vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
         super().__init__(vocab, tree, "sequential Medusa", context_vocab and heads.lm_heads is None)
         self.heads, self.embed = heads, model.get_input_embeddings()
@@ -570,7 +669,15 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         self.last = self.heads.step(0, self.hidden, self.embed(torch.stack([text[-1] for text in texts])))
 
-    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         return self.heads.step(depth, states, self.embed(nodes.tokens.gather(1, frontier)))
 
 
@@ -588,6 +695,7 @@ class EagleDrafter(DynamicTreeDrafter):
         _check_head_fits(head, model, "this EAGLE head")
         super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE", context_vocab)
         self.head, self.embed = head, model.get_input_embeddings()
+        self.run_head = compiled_head(head, model)  # compiled like the target's passes, or the head itself
         self.hidden_layers = tuple(head.config.feature_layers)
         self.reset()
 
@@ -604,7 +712,9 @@ class EagleDrafter(DynamicTreeDrafter):
     def observe_rows(self, hidden, next_tokens) -> None:
         super().observe_rows(hidden, next_tokens)
         for pending, row_hidden, tokens in zip(self.pending, hidden, next_tokens):
-            pending.append((torch.cat([row_hidden[layer] for layer in self.hidden_layers], dim=-1), tokens))  # fused in the head
+            pending.append(
+                (torch.cat([row_hidden[layer] for layer in self.hidden_layers], dim=-1), tokens)
+            )  # fused in the head
 
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text."""
@@ -626,13 +736,15 @@ class EagleDrafter(DynamicTreeDrafter):
             if copy_input:  # the bigram map holds the text before; pairs from the row's length need one token back
                 length = self.lengths[row]
                 offset = max(length - 1, 0)
-                found = copy_tokens(texts[row][offset:].tolist(), length - offset, length - offset + count, self.successors[row])
+                found = copy_tokens(
+                    texts[row][offset:].tolist(), length - offset, length - offset + count, self.successors[row]
+                )
                 copies[row, :count] = torch.tensor(found, device=device)
         self.pending = [[] for _ in range(rows)]
         copy_embeds = copy_embedding(self.embed, copies) if copy_input else None
         self._append(
             counts,
-            lambda rows, positions, mask, cache: self.head(
+            lambda rows, positions, mask, cache: self.run_head(
                 features[rows, : positions.shape[1]],
                 self.embed(next_tokens[rows, : positions.shape[1]]),
                 None if copy_embeds is None else copy_embeds[rows, : positions.shape[1]],
@@ -642,19 +754,38 @@ class EagleDrafter(DynamicTreeDrafter):
             ),
         )
 
-    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
         copies = None
         if self.tails is not None:  # one transfer of the trees so far, then the paths are walked on the host
             node_tokens, parents = nodes.tokens[:, : nodes.count].tolist(), nodes.parents[:, : nodes.count].tolist()
             found = [
                 draft_copy_tokens(tail, tokens, row_parents, row_frontier, successors)
-                for tail, tokens, row_parents, row_frontier, successors in zip(self.tails, node_tokens, parents, frontier.tolist(), self.successors)
+                for tail, tokens, row_parents, row_frontier, successors in zip(
+                    self.tails, node_tokens, parents, frontier.tolist(), self.successors
+                )
             ]
             copies = copy_embedding(self.embed, torch.tensor(found, device=frontier.device))
-        return self.head(states, self.embed(nodes.tokens.gather(1, frontier)), copies, position_ids=positions, attention_mask=mask, cache=self.cache)
+        return self.run_head(
+            states,
+            self.embed(nodes.tokens.gather(1, frontier)),
+            copies,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=self.cache,
+        )
 
 
-def draft_copy_tokens(tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int], successors: dict) -> list[int]:
+def draft_copy_tokens(
+    tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int], successors: dict
+) -> list[int]:
     """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued by
     each node's path, read on top of the committed bigrams (`successors`) without changing them."""
     found = []
@@ -679,7 +810,9 @@ class EarlyExitDrafter(DynamicTreeDrafter):
 
     def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         _check_head_fits(head, model, "this early-exit head")
-        super().__init__(DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab)
+        super().__init__(
+            DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab
+        )
         self.head = head
         self.reset()
 
@@ -688,15 +821,30 @@ class EarlyExitDrafter(DynamicTreeDrafter):
         counts = [text.shape[0] - length for text, length in zip(texts, self.lengths)]
         if not any(counts):
             return
-        new = torch.zeros(len(texts), max(counts), dtype=torch.long, device=texts[0].device)  # padding reads token 0, masked off
+        new = torch.zeros(
+            len(texts), max(counts), dtype=torch.long, device=texts[0].device
+        )  # padding reads token 0, masked off
         for row, (text, length) in enumerate(zip(texts, self.lengths)):
             new[row, : text.shape[0] - length] = text[length:]
         self._append(
-            counts, lambda rows, positions, mask, cache: self.head(new[rows, : positions.shape[1]], position_ids=positions, attention_mask=mask, cache=cache)
+            counts,
+            lambda rows, positions, mask, cache: self.head(
+                new[rows, : positions.shape[1]], position_ids=positions, attention_mask=mask, cache=cache
+            ),
         )
 
-    def _expand(self, depth: int, nodes: DraftNodes, frontier: torch.Tensor, states: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.head(nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache)
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.head(
+            nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache
+        )
 
 
 class PromptLookupDrafter(TokenDrafter):
@@ -712,7 +860,12 @@ class PromptLookupDrafter(TokenDrafter):
                 f"prompt lookup needs 1 <= min_ngram <= max_ngram, num_tokens >= 1 and trusted_ngram >= 1, "
                 f"got {min_ngram}, {max_ngram}, {num_tokens}, {trusted_ngram}"
             )
-        self.max_ngram, self.min_ngram, self.num_tokens, self.trusted_ngram = max_ngram, min_ngram, num_tokens, trusted_ngram
+        self.max_ngram, self.min_ngram, self.num_tokens, self.trusted_ngram = (
+            max_ngram,
+            min_ngram,
+            num_tokens,
+            trusted_ngram,
+        )
 
     def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
         length = tokens.shape[0]
@@ -770,7 +923,9 @@ class MergedDrafter:
         for drafter in self.drafters:
             if isinstance(drafter, OWN_DRAFTERS):
                 drafter.observe_rows(hidden, next_tokens)
-            else:  # a foreign drafter has the one-sequence interface (generate() gives it a batch only when it keeps no state)
+            else:
+                # a foreign drafter has the one-sequence interface (generate() gives it a batch only when it keeps no
+                # state)
                 for row_hidden, tokens in zip(hidden, next_tokens):
                     drafter.observe(row_hidden, tokens)
         for row, tokens in enumerate(next_tokens):
@@ -832,7 +987,8 @@ class MergedDrafter:
                     spans[-1].append((span, math.log(held / tried)))
         head = self.head_drafters[0]
         trees = head.propose_rows(texts, max_depths, spans)
-        # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the rest)
+        # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
+        # rest)
         self.pending = [
             [(key, span.tolist(), shared) for key, (span, _), shared in zip(row_keys, row_spans, held, strict=True)]
             for row_keys, row_spans, held in zip(keys, spans, head.spans_held, strict=True)
@@ -844,7 +1000,10 @@ class MergedDrafter:
         """The loop checks the merged tree; a foreign drafter's own tree is checked first, so an error names it."""
         if isinstance(drafter, OWN_DRAFTERS):
             return drafter.propose_rows(texts, max_depths)
-        return [verifiable_tree(drafter.propose(text, depth), text[-1], None, depth, drafter_name(drafter)) for text, depth in zip(texts, max_depths)]
+        return [
+            verifiable_tree(drafter.propose(text, depth), text[-1], None, depth, drafter_name(drafter))
+            for text, depth in zip(texts, max_depths)
+        ]
 
 
 SPAN_PRIOR = (1.0, 2.0)  # (tokens held, tokens tried): a row's first copied tokens are believed right half the time
@@ -892,7 +1051,16 @@ def grows_dynamic_trees(heads) -> bool:
     return isinstance(heads, (EagleHead, EarlyExitHead)) or (isinstance(heads, MedusaHeads) and heads.config.sequential)
 
 
-OWN_DRAFTERS = (NoDrafter, MedusaDrafter, SequentialMedusaDrafter, EagleDrafter, EarlyExitDrafter, PromptLookupDrafter, MergedDrafter, OracleDrafter)
+OWN_DRAFTERS = (
+    NoDrafter,
+    MedusaDrafter,
+    SequentialMedusaDrafter,
+    EagleDrafter,
+    EarlyExitDrafter,
+    PromptLookupDrafter,
+    MergedDrafter,
+    OracleDrafter,
+)
 
 
 def drafter_name(drafter) -> str:
@@ -905,7 +1073,9 @@ def as_drafter(heads, model, tree=None, context_vocab: bool = True) -> Drafter:
     """What generate() accepts as `heads`: None, loaded heads, a drafter, or a list of them to merge.
     `context_vocab=False`: trained heads draft from their own draft vocabulary only (inference.context_vocab)."""
     if isinstance(heads, type):
-        raise TypeError(f"heads is the class {heads.__name__}, not a drafter: pass an instance, e.g. {heads.__name__}()")
+        raise TypeError(
+            f"heads is the class {heads.__name__}, not a drafter: pass an instance, e.g. {heads.__name__}()"
+        )
     if heads is None:
         if tree is not None:
             raise TreeError("a tree was given but no heads or drafter to fill it")
@@ -918,9 +1088,15 @@ def as_drafter(heads, model, tree=None, context_vocab: bool = True) -> Drafter:
     if isinstance(heads, EarlyExitHead):
         return EarlyExitDrafter(heads, model, tree, context_vocab)
     if isinstance(heads, (list, tuple)):
-        return MergedDrafter([as_drafter(h, model, tree if isinstance(h, TRAINED_HEADS) else None, context_vocab) for h in heads])
+        return MergedDrafter(
+            [as_drafter(h, model, tree if isinstance(h, TRAINED_HEADS) else None, context_vocab) for h in heads]
+        )
     if isinstance(heads, Drafter):
         if tree is not None:
-            raise TreeError(f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead")
+            raise TreeError(
+                f"{type(heads).__name__} was built with its own tree; pass tree= to its constructor instead"
+            )
         return heads
-    raise TypeError(f"heads must be None, heads from heads.load_heads, a Drafter, or a list of them; got {type(heads).__name__}")
+    raise TypeError(
+        f"heads must be None, heads from heads.load_heads, a Drafter, or a list of them; got {type(heads).__name__}"
+    )

@@ -19,7 +19,15 @@ JUDGE = 8  # drafted steps timed before drafting is judged (a batch's step count
 
 
 class Fallback:
-    def __init__(self, enabled: bool = True, window: int = 16, judge: int = JUDGE, hold: int = 8, max_hold: int = 64, price: int = 1):
+    def __init__(
+        self,
+        enabled: bool = True,
+        window: int = 16,
+        judge: int = JUDGE,
+        hold: int = 8,
+        max_hold: int = 64,
+        price: int = 1,
+    ):
         self.enabled, self.judge, self.first_hold, self.max_hold, self.price = enabled, judge, hold, max_hold, price
         self.hold = hold
         self.drafted: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
@@ -35,7 +43,8 @@ class Fallback:
         return self.plain_left == 0
 
     def prompt_joined(self) -> None:
-        """A prompt joined the batch: the next drafted step also feeds the drafter that whole prompt, so it is not timed."""
+        """A prompt joined the batch: the next drafted step also feeds the drafter that whole prompt, so it is not
+        timed."""
         self.warm = False
 
     def record(self, drafted: bool, tokens: float, seconds: float) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heads.attention import grouped_attention
+from heads.attention import GROUPED_SDPA, grouped_attention
 
 from .accept import Sampling, accept, target_tokens
 from .batch import decode_batch
@@ -132,7 +132,13 @@ def forward(state: Decoding, run, input_ids: torch.Tensor, **kwargs):
     """One target pass over `input_ids` on top of the cache through `run` (the model, or its compiled passes),
     hidden states included when the drafter reads them."""
     started = time.perf_counter()
-    out = run(input_ids=input_ids[None], cache=state.cache, use_cache=True, output_hidden_states=bool(state.drafter.hidden_layers), **kwargs)
+    out = run(
+        input_ids=input_ids[None],
+        cache=state.cache,
+        use_cache=True,
+        output_hidden_states=bool(state.drafter.hidden_layers),
+        **kwargs,
+    )
     state.stats.target_seconds += time.perf_counter() - started
     state.stats.target_forwards += 1
     return out
@@ -158,7 +164,9 @@ def verify(state: Decoding, tree: Tree):
     past = state.length - 1  # the root is the last committed token; the target has not seen it yet
     state.stats.tree_nodes += tree.size
     mask = attention_mask(tree, past, state.model.dtype)
-    return forward(state, decoding_pass(state.model), tree.tokens, position_ids=position_ids(tree, past), attention_mask=mask)
+    return forward(
+        state, decoding_pass(state.model), tree.tokens, position_ids=position_ids(tree, past), attention_mask=mask
+    )
 
 
 def commit(state: Decoding, new_tokens: torch.Tensor) -> bool:
@@ -218,17 +226,49 @@ def generate(
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
             lookup = bool(lookup) if lookup is not None else len(prompt_or_input_ids) == 1 or grows_dynamic_trees(heads)
-            return _generate_batch(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size)
-        return _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup is not False, fallback, seed, streamer)
+            return _generate_batch(
+                model,
+                heads,
+                prompt_or_input_ids,
+                tokenizer,
+                max_new_tokens,
+                sampling,
+                tree,
+                lookup,
+                fallback,
+                seed,
+                batch_size,
+            )
+        return _generate_one(
+            model,
+            heads,
+            prompt_or_input_ids,
+            tokenizer,
+            max_new_tokens,
+            sampling,
+            tree,
+            lookup is not False,
+            fallback,
+            seed,
+            streamer,
+        )
 
 
-def _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer) -> Generation:
+def _generate_one(
+    model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer
+) -> Generation:
     """generate() for one prompt."""
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
-    drafter = as_drafter(with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads))
+    drafter = as_drafter(
+        with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads)
+    )
     drafter.reset()
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
-    name, plain, clock = drafter_name(drafter), Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)), time.perf_counter
+    name, plain, clock = (
+        drafter_name(drafter),
+        Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)),
+        time.perf_counter,
+    )
     if streamer is not None:
         streamer.put(prompt[None].cpu())
 
@@ -278,13 +318,19 @@ def _generate_one(model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, 
 
 def _is_batch(prompts) -> bool:
     """A list of prompts (texts, token-id lists or tensors), not one prompt's list of token ids."""
-    return isinstance(prompts, (list, tuple)) and len(prompts) > 0 and isinstance(prompts[0], (str, list, tuple, torch.Tensor, Mapping))
+    return (
+        isinstance(prompts, (list, tuple))
+        and len(prompts) > 0
+        and isinstance(prompts[0], (str, list, tuple, torch.Tensor, Mapping))
+    )
 
 
-def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size) -> list[Generation]:
+def _generate_batch(
+    model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size
+) -> list[Generation]:
     """generate() for a list of prompts (inference.batch): one result per prompt, in order. One drafter built from
-    the shared heads drafts all rows at once; the fallback judges the whole batch, by its pace per row. A row's stats count its own
-    tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole call's."""
+    the shared heads drafts all rows at once; the fallback judges the whole batch, by its pace per row. A row's stats
+    count its own tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole call's."""
     for index, item in enumerate(prompts):
         if isinstance(item, Mapping) and "input_ids" in item:
             item = item["input_ids"]
@@ -294,11 +340,15 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
         raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
     ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
-    stateful = [d for d in (heads if isinstance(heads, (list, tuple)) else [heads]) if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)]
+    stateful = [
+        d
+        for d in (heads if isinstance(heads, (list, tuple)) else [heads])
+        if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)
+    ]
     if stateful and len(ids) > 1:
         raise ValueError(
-            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded heads "
-            "(heads.load_heads) instead, and one drafter is built for the whole batch"
+            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded "
+            "heads (heads.load_heads) instead, and one drafter is built for the whole batch"
         )
     spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
@@ -311,12 +361,19 @@ def _generate_batch(model, heads, prompts, tokenizer, max_new_tokens, sampling, 
     # step's, and a step's time is noisy (a batch-8 step took 84 ms, the next 160): judge after fewer steps, yet
     # never after fewer than four, against plain decoding priced over two steps
     plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(4, JUDGE // rows), price=2)
-    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows)
+    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(
+        model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows
+    )
     seconds = time.perf_counter() - started
     results = []
     for row, tokens in enumerate(new_tokens):
         stats = GenerationStats(
-            new_tokens=len(tokens), target_forwards=passes[row], seconds=seconds, tree_nodes=nodes[row], draft_seconds=draft_seconds, plain_steps=plain_steps
+            new_tokens=len(tokens),
+            target_forwards=passes[row],
+            seconds=seconds,
+            tree_nodes=nodes[row],
+            draft_seconds=draft_seconds,
+            plain_steps=plain_steps,
         )
         text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
         results.append(Generation(tokens, text, stats))
@@ -335,7 +392,8 @@ def _last_logit_only(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
-TREE_ATTENTION = ("sdpa", "eager")  # the kernels that honour an arbitrary additive 4D mask
+# the kernels that honour an arbitrary additive 4D mask; GROUPED_SDPA: "sdpa" switched by another thread's call
+TREE_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
 
 
 def _check_model(model) -> None:
@@ -378,13 +436,20 @@ def _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens: int) -> t
         try:
             ids = torch.as_tensor(prompt_or_input_ids)
         except (TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"input_ids must be token ids (a list of ints or an integer tensor); could not read them: {error}") from None
-        if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):  # 5.9 must not become token 5
+            raise ValueError(
+                f"input_ids must be token ids (a list of ints or an integer tensor); could not read them: {error}"
+            ) from None
+        if ids.numel() and (
+            ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool
+        ):  # 5.9 must not become token 5
             raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {ids.flatten()[:3].tolist()}")
         ids = ids.long()
         if ids.dim() == 2:
             if ids.shape[0] != 1:
-                raise ValueError(f"generate() decodes one sequence at a time; got a batch of {ids.shape[0]} (input_ids {tuple(ids.shape)})")
+                raise ValueError(
+                    f"generate() decodes one sequence at a time; got a batch of {ids.shape[0]} (input_ids "
+                    f"{tuple(ids.shape)})"
+                )
             ids = ids[0]
         if ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D or [1, length], got shape {tuple(ids.shape)}")

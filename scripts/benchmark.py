@@ -8,8 +8,8 @@ Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup de
 drafter), lookup (our prompt lookup drafter), eagle and medusa (a head alone), eagle+lookup and medusa+lookup
 (the head's tree and a copied span merged into one tree), eagle-default and medusa-default (the default call
 `generate(model, head, prompt)`: the tree sized to this machine, lookup merged, the fallback on, whatever
---tree, --no-fallback and --no-context-vocab say). Our other methods fall back to plain decoding where drafting does not pay
-(--no-fallback: never).
+--tree, --no-fallback and --no-context-vocab say). Our other methods fall back to plain decoding where drafting does
+not pay (--no-fallback: never).
 A multi-turn question is answered turn by turn through the chat template; every method is given the
 baseline's earlier answers, so all methods see identical prompts. Reports per category and overall:
 tokens/s, speedup over the baseline, tau (new tokens per target forward) and the share of outputs
@@ -60,14 +60,22 @@ METHODS = (
 def load_early_exit(spec: str, model):
     """A checkpoint directory, or a bare layer number: the target's untrained exit after that many layers."""
     if spec.isdigit():
-        return EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=int(spec), lora_rank=None), model).eval()
+        return EarlyExitHead(
+            EarlyExitConfig.for_target(model.config, exit_layer=int(spec), lora_rank=None), model
+        ).eval()
     return load_heads(spec, model)
 
 
 def hf_generate(model, prompt, max_new_tokens, **extra):
     started = time.perf_counter()
     prompt = prompt.to(model.device)
-    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=False, max_new_tokens=max_new_tokens, **extra)
+    out = model.generate(
+        prompt[None],
+        attention_mask=torch.ones_like(prompt)[None],
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        **extra,
+    )
     tokens = out[0, len(prompt) :].tolist()
     return tokens, time.perf_counter() - started, None, None
 
@@ -85,7 +93,9 @@ def load_method_heads(args, model) -> dict:
         heads["medusa"] = load_heads(args.medusa, model)
     if any("early-exit" in m for m in args.methods):
         if not args.early_exit:
-            raise SystemExit("the early-exit methods need --early-exit CHECKPOINT_DIR (or an exit layer number: the untrained exit)")
+            raise SystemExit(
+                "the early-exit methods need --early-exit CHECKPOINT_DIR (or an exit layer number: the untrained exit)"
+            )
         heads["early-exit"] = load_early_exit(args.early_exit, model)
     return heads
 
@@ -94,10 +104,13 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
     """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback). With
     --no-context-vocab (and so a fixed tree) a head's drafter is built here, lookup merged in, to pass it
     `context_vocab=False`; that needs the `model`."""
-    # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and early exit)
+    # calibrated: what generate() does by default (tree=None); fixed: the same --nodes every step (grown: EAGLE and
+    # early exit)
     fixed = args.tree == "fixed"
 
-    def shaped(own: DynamicTreeSpec) -> DynamicTreeSpec:  # a drafter's own tree shape unless --depth / --top-k say otherwise
+    def shaped(
+        own: DynamicTreeSpec,
+    ) -> DynamicTreeSpec:  # a drafter's own tree shape unless --depth / --top-k say otherwise
         return replace(own, depth=args.depth or own.depth, top_k=args.top_k or own.top_k)
 
     grown_tree = shaped(DynamicTreeSpec(nodes=args.nodes)) if fixed else None
@@ -105,12 +118,16 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
     if fixed and "medusa" in heads:
         own = medusa_tree_spec(heads["medusa"], nodes=args.nodes)
         if args.depth is not None and args.depth > own.depth:
-            raise SystemExit(f"--depth {args.depth}: the Medusa heads draft at most {own.depth} tokens ahead (one head a token)")
+            raise SystemExit(
+                f"--depth {args.depth}: the Medusa heads draft at most {own.depth} tokens ahead (one head a token)"
+            )
         medusa_tree = shaped(own)
 
     def ours(drafter, tree=None, lookup=False):
         if args.no_context_vocab and isinstance(drafter, TRAINED_HEADS):
-            drafter = as_drafter([drafter, PromptLookupDrafter()] if lookup else drafter, model, tree, context_vocab=False)
+            drafter = as_drafter(
+                [drafter, PromptLookupDrafter()] if lookup else drafter, model, tree, context_vocab=False
+            )
             tree, lookup = None, False
         return dict(heads=drafter, tree=tree, lookup=lookup, fallback=not args.no_fallback)
 
@@ -180,7 +197,9 @@ def summarise(records, methods):
             summary[category][m] = {
                 "tokens_per_second": tokens / seconds if seconds else 0.0,
                 "tau": tokens / sum(forwards) if forwards else None,
-                "identical": sum(r["tokens"][m] == r["tokens"]["hf"] for r in rows) / len(rows) if "hf" in methods else None,
+                "identical": sum(r["tokens"][m] == r["tokens"]["hf"] for r in rows) / len(rows)
+                if "hf" in methods
+                else None,
                 "divergences": [r["divergence"][m] for r in rows if m in r.get("divergence", {})],
                 "turns": len(rows),
             }
@@ -212,13 +231,20 @@ def markdown(summary, methods, header):
 def monitoring(records, methods) -> str:
     """Our loop's latency and acceptance, over all turns: time to first token, time per output token, the share
     of decode steps taken plainly (the fallback), and acceptance by draft depth (accepted / drafted that deep)."""
-    lines = ["", "| method | time to first token | time per output token | plain steps | acceptance by depth 1, 2, 3, ... |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| method | time to first token | time per output token | plain steps | acceptance by depth 1, 2, 3, ... |",
+        "|---|---|---|---|---|",
+    ]
     for m in methods:
         stats = [r["stats"][m] for r in records if r["stats"].get(m)]
         if not stats:
             continue
         steps = sum(s["target_forwards"] - 1 for s in stats)
-        drafted, accepted = [0] * max(len(s["drafted_to_depth"]) for s in stats), [0] * max(len(s["drafted_to_depth"]) for s in stats)
+        drafted, accepted = (
+            [0] * max(len(s["drafted_to_depth"]) for s in stats),
+            [0] * max(len(s["drafted_to_depth"]) for s in stats),
+        )
         for s in stats:
             for d, (n, a) in enumerate(zip(s["drafted_to_depth"], s["accepted_to_depth"])):
                 drafted[d], accepted[d] = drafted[d] + n, accepted[d] + a
@@ -261,14 +287,31 @@ def chart(summary, methods, path):
 
     categories = sorted(summary, key=lambda c: (c == "overall", c))
     # without the baseline there is no speedup, and tau (new tokens per target pass) is what the machine does not change
-    key = "speedup" if "hf" in methods else "tau" if all(summary["overall"][m]["tau"] for m in methods) else "tokens_per_second"
+    key = (
+        "speedup"
+        if "hf" in methods
+        else "tau"
+        if all(summary["overall"][m]["tau"] for m in methods)
+        else "tokens_per_second"
+    )
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories)), 4))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         values = [summary[c][m].get(key) or 0 for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], [c.replace("mt_bench/", "mt-") for c in categories], rotation=30, ha="right")
-    ax.set_ylabel({"speedup": "speedup over HF greedy", "tau": "tau (new tokens per target pass)", "tokens_per_second": "tokens/s"}[key])
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(categories))],
+        [c.replace("mt_bench/", "mt-") for c in categories],
+        rotation=30,
+        ha="right",
+    )
+    ax.set_ylabel(
+        {
+            "speedup": "speedup over HF greedy",
+            "tau": "tau (new tokens per target pass)",
+            "tokens_per_second": "tokens/s",
+        }[key]
+    )
     if key == "speedup":
         ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -304,7 +347,9 @@ def merge_shards(paths: list[str], out: str | None) -> None:
         try:
             results.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as error:
-            raise SystemExit(f"--merge: cannot read {path} ({error}); pass the .json files that benchmark.py --shard K/N --out wrote") from None
+            raise SystemExit(
+                f"--merge: cannot read {path} ({error}); pass the .json files that benchmark.py --shard K/N --out wrote"
+            ) from None
 
     def setting(result):  # what must agree between shards of one run
         return {k: v for k, v in result["args"].items() if k not in ("shard", "out", "merge")}
@@ -314,11 +359,17 @@ def merge_shards(paths: list[str], out: str | None) -> None:
         other = setting(result)
         different = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
         if different:
-            raise SystemExit(f"--merge: {path} was run with other settings than {paths[0]} ({', '.join(different)}): only the shards of one run merge")
+            raise SystemExit(
+                f"--merge: {path} was run with other settings than {paths[0]} ({', '.join(different)}): only the "
+                "shards of one run merge"
+            )
     shards = sorted(tuple(r["args"]["shard"]) if r["args"].get("shard") else (0, 1) for r in results)
     count = shards[0][1]
     if shards != [(k, count) for k in range(count)]:
-        raise SystemExit(f"--merge needs every shard of one run once (0/{count} .. {count - 1}/{count}), got {', '.join(f'{k}/{n}' for k, n in shards)}")
+        raise SystemExit(
+            f"--merge needs every shard of one run once (0/{count} .. {count - 1}/{count}), got "
+            f"{', '.join(f'{k}/{n}' for k, n in shards)}"
+        )
     methods = results[0]["args"]["methods"]
     records = [record for result in results for record in result["records"]]
     summary = summarise(records, methods)
@@ -334,7 +385,11 @@ def merge_shards(paths: list[str], out: str | None) -> None:
 def write_result(out: str | None, result: dict, methods: list[str]) -> None:
     """Print the tables; with `out`, write OUT.json (everything), OUT.md (the tables) and OUT.png (the chart)."""
     summary = result["summary"]
-    table = markdown(summary, methods, result["header"]) + divergence_note(summary["overall"], methods) + monitoring(result["records"], methods)
+    table = (
+        markdown(summary, methods, result["header"])
+        + divergence_note(summary["overall"], methods)
+        + monitoring(result["records"], methods)
+    )
     print("\n" + table)
     if out:
         out = Path(out)
@@ -349,7 +404,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(part) for part in text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shard takes K/N (this run answers every N-th question from the K-th, 0 <= K < N), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--shard takes K/N (this run answers every N-th question from the K-th, 0 <= K < N), got {text!r}"
+        ) from None
     if not 0 <= index < count:
         raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {text!r}")
     return index, count
@@ -361,7 +418,11 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     rows = []
     for row in out[:, width:].tolist():
         end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
@@ -371,11 +432,16 @@ def hf_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 def hf_in_chunks(model, prompts: list[list[int]], size: int, max_new_tokens: int) -> list[list[int]]:
     """HF generate() batched as a user without continuous batching runs it: the prompts in chunks of `size`."""
-    return [row for start in range(0, len(prompts), size) for row in hf_batch(model, prompts[start : start + size], max_new_tokens)]
+    return [
+        row
+        for start in range(0, len(prompts), size)
+        for row in hf_batch(model, prompts[start : start + size], max_new_tokens)
+    ]
 
 
 def identical_rows(outputs: list[list[int]], alone: list[list[int]], per_round: int) -> int:
-    """How many reference rows were identical to HF alone in every round (outputs holds the rounds one after another)."""
+    """How many reference rows were identical to HF alone in every round (outputs holds the rounds one after
+    another)."""
     rounds = [outputs[start : start + per_round] for start in range(0, len(outputs), per_round)]
     return sum(all(rows[index] == reference for rows in rounds) for index, reference in enumerate(alone))
 
@@ -386,11 +452,17 @@ def batch_throughput(args, argv) -> None:
     generate(model, heads, prompts, batch_size=size) (at most that many rows at once, a prompt joining as another
     finishes), in --rounds rounds of every method in turn; rows are compared with HF alone."""
     if "hf-lookup" in args.methods:
-        raise SystemExit("--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: leave it out")
+        raise SystemExit(
+            "--batch-sizes compares HF generate() batched with our methods; hf-lookup decodes one sequence at a time: "
+            "leave it out"
+        )
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
     warm_up(model)
     runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
-    prompts = [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)]
+    prompts = [
+        chat_prompt(tokenizer, q["turns"][:1]).tolist()
+        for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
+    ]
     alone = [hf_batch(model, [p], args.max_new_tokens)[0] for p in prompts[: args.reference_rows]]  # the reference rows
     # Warm-up, untimed: a process's first decoding of these prompts ran ~8% slower than the same one again (Xeon,
     # batch 8), which would penalise whichever method comes first; every prompt, a few tokens, at the largest batch.
@@ -405,7 +477,11 @@ def batch_throughput(args, argv) -> None:
     progress = tqdm(total=len(args.batch_sizes) * args.rounds * (1 + len(runs)), desc="batch size x round x method")
     for size in args.batch_sizes:
         names = ["hf", *runs]
-        seconds, outputs, forwards = dict.fromkeys(names, 0.0), {name: [] for name in names}, dict.fromkeys(names, 0)  # forwards: each row's own target passes
+        seconds, outputs, forwards = (
+            dict.fromkeys(names, 0.0),
+            {name: [] for name in names},
+            dict.fromkeys(names, 0),
+        )  # forwards: each row's own target passes
         # every method in turn, round after round: a slow spell of this machine slows each method alike
         for round_ in range(args.rounds):
             for name in names:
@@ -414,7 +490,13 @@ def batch_throughput(args, argv) -> None:
                 if name == "hf":
                     new = hf_in_chunks(model, prompts, size, args.max_new_tokens)
                 else:
-                    results = generate(model, prompt_or_input_ids=prompts, max_new_tokens=args.max_new_tokens, batch_size=size, **runs[name])
+                    results = generate(
+                        model,
+                        prompt_or_input_ids=prompts,
+                        max_new_tokens=args.max_new_tokens,
+                        batch_size=size,
+                        **runs[name],
+                    )
                     new = [o.token_ids for o in results]
                     forwards[name] += sum(o.stats.target_forwards for o in results)
                 seconds[name] += time.perf_counter() - started
@@ -425,20 +507,32 @@ def batch_throughput(args, argv) -> None:
             tokens = sum(map(len, outputs[name]))
             timings[name] = (tokens / seconds[name], outputs[name], tokens / forwards[name] if forwards[name] else None)
         rows.append((size, timings))
-        progress.write(f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, *_) in timings.items()))
+        progress.write(
+            f"batch {size}: " + ", ".join(f"{name} {rate:.1f} tok/s" for name, (rate, *_) in timings.items())
+        )
     progress.close()
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
-        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy, {args.rounds} round(s); total "
-        f"new tokens per second (ours / HF, and tau: a row's new tokens per target pass it took part in, in parentheses). HF decodes the "
-        f"prompts in chunks of the batch size; ours keeps at most that many rows at once, a prompt joining as another finishes. The last "
-        f"column counts the first {len(alone)} rows identical to HF generate() of that prompt alone (in every round).\n\n"
+        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}.  \n"
+        f"{len(prompts)} first turns, {args.max_new_tokens} new tokens at most, {dtype_name(model.dtype)}, greedy, "
+        f"{args.rounds} round(s); total new tokens per second (ours / HF, and tau: "
+        "a row's new tokens per target pass it took part in, in parentheses). HF decodes the prompts in chunks of the "
+        "batch size; ours keeps at most that many rows at once, a prompt joining as another finishes. The last column "
+        f"counts the first {len(alone)} rows identical to HF generate() of that prompt alone (in every round).\n\n"
     )
-    table = "| batch | HF generate() batched | " + " | ".join(runs) + " | identical |\n|---|---|" + "---|" * len(runs) + "---|\n"
+    table = (
+        "| batch | HF generate() batched | "
+        + " | ".join(runs)
+        + " | identical |\n|---|---|"
+        + "---|" * len(runs)
+        + "---|\n"
+    )
     for size, timings in rows:
         hf = timings["hf"][0]
-        cells = " | ".join(f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x, tau {timings[name][2]:.2f})" for name in runs)
+        cells = " | ".join(
+            f"{timings[name][0]:.1f} ({timings[name][0] / hf:.2f}x, tau {timings[name][2]:.2f})" for name in runs
+        )
         same = ", ".join(f"{identical_rows(timings[name][1], alone, len(prompts))}/{len(alone)}" for name in runs)
         table += f"| {size} | {hf:.1f} | {cells} | {same} |\n"
     print("\n" + header + table)
@@ -449,42 +543,93 @@ def batch_throughput(args, argv) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
-    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--methods", nargs="+", default=["hf", "hf-lookup", "eagle", "eagle+lookup"], choices=METHODS)
     parser.add_argument("--eagle", help="EAGLE head checkpoint directory")
     parser.add_argument("--medusa", help="Medusa heads checkpoint directory")
-    parser.add_argument("--early-exit", help="early-exit head checkpoint directory, or an exit layer number (the untrained exit)")
-    parser.add_argument("--depth", type=int, default=None, help="fixed trees' depth (default: EAGLE and early exit 5, Medusa its head count)")
-    parser.add_argument("--top-k", type=int, default=None, help="fixed trees' width a level (default: EAGLE and early exit 4, Medusa its own)")
+    parser.add_argument(
+        "--early-exit", help="early-exit head checkpoint directory, or an exit layer number (the untrained exit)"
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="fixed trees' depth (default: EAGLE and early exit 5, Medusa its head count)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="fixed trees' width a level (default: EAGLE and early exit 4, Medusa its own)",
+    )
     parser.add_argument("--nodes", type=int, default=15, help="at most this many draft nodes (the root comes on top)")
     parser.add_argument(
         "--tree",
         choices=["calibrated", "fixed"],
         default="calibrated",
-        help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); fixed: always --nodes",
+        help="calibrated: each step keeps the drafts that pay for themselves on this machine (inference.calibrate); "
+        "fixed: always --nodes",
     )
-    parser.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where plain decoding would be faster")
+    parser.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="our methods draft at every step, even where plain decoding would be faster",
+    )
     parser.add_argument(
         "--no-context-vocab",
         action="store_true",
-        help="heads draft from their own draft vocabulary only, not also the tokens of the prompt and output so far (needs --tree fixed)",
+        help="heads draft from their own draft vocabulary only, not also the tokens of the prompt and output so far "
+        "(needs --tree fixed)",
     )
     parser.add_argument("--limit", type=int, default=None, help="at most this many questions")
     parser.add_argument("--per-category", type=int, default=None, help="the first N questions of each category")
-    parser.add_argument("--shard", type=parse_shard, default=None, metavar="K/N", help="answer every N-th question from the K-th (0-based)")
+    parser.add_argument(
+        "--shard",
+        type=parse_shard,
+        default=None,
+        metavar="K/N",
+        help="answer every N-th question from the K-th (0-based)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--compile", action="store_true", help="our methods decode with compiled passes (inference.compiled); HF generate() stays eager")
-    parser.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="our methods decode with compiled passes (inference.compiled); HF generate() stays eager",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (default, exact), bfloat16, or auto: bfloat16 where this machine computes it faster",
+    )
     parser.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
     parser.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
     parser.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=None, help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours"
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="throughput instead: first turns in batches of these sizes, HF generate() batched beside ours",
     )
     parser.add_argument(
-        "--reference-rows", type=int, default=4, help="with --batch-sizes: how many first rows are compared with HF generate() of that prompt alone"
+        "--reference-rows",
+        type=int,
+        default=4,
+        help="with --batch-sizes: how many first rows are compared with HF generate() of that prompt alone",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="with --batch-sizes: how many times every method decodes all the prompts, in turn")
-    parser.add_argument("--merge", nargs="+", metavar="SHARD.json", help="instead of a run: merge the results of one run's shards (--shard K/N) into --out")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --batch-sizes: how many times every method decodes all the prompts, in turn",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="SHARD.json",
+        help="instead of a run: merge the results of one run's shards (--shard K/N) into --out",
+    )
     args = parser.parse_args(argv)
     if args.merge:
         return merge_shards(args.merge, args.out)
@@ -513,9 +658,19 @@ def main(argv=None):
         answers = []
         for turn in range(len(q["turns"])):
             prompt = chat_prompt(tokenizer, q["turns"][: turn + 1], answers)
-            record = {"question_id": q["question_id"], "category": q["category"], "turn": turn, "tokens": {}, "seconds": {}, "forwards": {}, "stats": {}}
+            record = {
+                "question_id": q["question_id"],
+                "category": q["category"],
+                "turn": turn,
+                "tokens": {},
+                "seconds": {},
+                "forwards": {},
+                "stats": {},
+            }
             for name, run in runners.items():
-                record["tokens"][name], record["seconds"][name], record["forwards"][name], record["stats"][name] = run(prompt)
+                record["tokens"][name], record["seconds"][name], record["forwards"][name], record["stats"][name] = run(
+                    prompt
+                )
             if "hf" in runners:
                 record["divergence"] = {
                     name: divergence(model, prompt, tokens, record["tokens"]["hf"])
@@ -531,9 +686,16 @@ def main(argv=None):
     summary = summarise(records, args.methods)
     header = (
         f"Command: `python scripts/benchmark.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
-        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}.  \n"
-        f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, {dtype_name(model.dtype)}, greedy."
-        + (f"  \nOur methods' passes compiled (AOTInductor; {compile_seconds:.0f} s to compile or load first; HF generate() eager)." if args.compile else "")
+        f"Machine: {device_name(model.device)}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}.  \n"
+        f"{len(questions)} questions, {len(records)} turns, {args.max_new_tokens} new tokens per turn, "
+        f"{dtype_name(model.dtype)}, greedy."
+        + (
+            f"  \nOur methods' passes compiled (AOTInductor; {compile_seconds:.0f} s to compile or load first; HF "
+            "generate() eager)."
+            if args.compile
+            else ""
+        )
     )
     write_result(args.out, {"args": vars(args), "header": header, "summary": summary, "records": records}, args.methods)
 

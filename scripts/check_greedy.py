@@ -42,7 +42,11 @@ def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], 
     mismatches = [{"position": p, "gap": float(top2.values[p, 0] - logits[p, answer[p]])} for p in wrong]
     early_eos = any(t in eos for t in answer[:-1])
     stops_right = not early_eos and (answer[-1] in eos or len(answer) == max_new_tokens)
-    return {"mismatches": mismatches, "min_gap": float((top2.values[:, 0] - top2.values[:, 1]).min()), "stops_right": stops_right}
+    return {
+        "mismatches": mismatches,
+        "min_gap": float((top2.values[:, 0] - top2.values[:, 1]).min()),
+        "stops_right": stops_right,
+    }
 
 
 def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
@@ -56,7 +60,10 @@ def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
     for record in tqdm(run["records"], desc="turns"):
         question = by_id.get(record["question_id"])
         if question is None:
-            raise SystemExit(f"question {record['question_id']} of the record is not in the question file; pass the --questions the run used")
+            raise SystemExit(
+                f"question {record['question_id']} of the record is not in the question file; pass the --questions the "
+                "run used"
+            )
         if record["turn"] == 0:
             answers = []
         prompt = chat_prompt(tokenizer, question["turns"][: record["turn"] + 1], answers)
@@ -70,14 +77,18 @@ def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
                 entry["min_gap"] = min(entry["min_gap"], result["min_gap"])
             if result["mismatches"] or not result["stops_right"]:
                 entry["wrong_turns"].append({"question_id": record["question_id"], "turn": record["turn"], **result})
-        answers.append(tokenizer.decode(record["tokens"][methods[0]], skip_special_tokens=True))  # as the benchmark fed them back
+        answers.append(
+            tokenizer.decode(record["tokens"][methods[0]], skip_special_tokens=True)
+        )  # as the benchmark fed them back
     return report
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("record", help="a benchmark run's .json (scripts/benchmark.py --out)")
-    parser.add_argument("--questions", default=None, help="the question file the run used (default: the one it recorded)")
+    parser.add_argument(
+        "--questions", default=None, help="the question file the run used (default: the one it recorded)"
+    )
     parser.add_argument("--dtype", default=None, help="default: the dtype the run recorded")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -86,13 +97,24 @@ def main(argv=None):
         raise SystemExit(f"{path} not found: pass the .json a benchmark run wrote with --out")
     run = json.loads(path.read_text())
     if not isinstance(run, dict) or "records" not in run or "args" not in run:
-        raise SystemExit(f"{path} is not a benchmark record (no 'args' and 'records'); batch-throughput records hold no answers to check")
+        raise SystemExit(
+            f"{path} is not a benchmark record (no 'args' and 'records'); batch-throughput records hold no answers to "
+            "check"
+        )
     recorded = run["args"]
-    model, tokenizer = load_target(recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device)
+    model, tokenizer = load_target(
+        recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device
+    )
     report = check_run(model, tokenizer, run, read_questions(args.questions or recorded["questions"]))
-    print("| method | turns | tokens | turns not the target's greedy output | smallest top-two logit gap |\n|---|---|---|---|---|")
+    print(
+        "| method | turns | tokens | turns not the target's greedy output | smallest top-two logit gap |\n"
+        "|---|---|---|---|---|"
+    )
     for method, entry in report.items():
-        print(f"| {method} | {entry['turns']} | {entry['tokens']} | {len(entry['wrong_turns'])} | {entry['min_gap']:.3g} |")
+        print(
+            f"| {method} | {entry['turns']} | {entry['tokens']} | {len(entry['wrong_turns'])} | "
+            f"{entry['min_gap']:.3g} |"
+        )
     wrong = {m: e["wrong_turns"] for m, e in report.items() if e["wrong_turns"]}
     if wrong:
         print(json.dumps(wrong, indent=1))

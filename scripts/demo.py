@@ -27,7 +27,9 @@ PROMPT = "Explain in a short paragraph why the sky is blue, then list three ever
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", nargs="?", default=PROMPT)
-    parser.add_argument("--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)")
+    parser.add_argument(
+        "--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -65,7 +67,9 @@ def main(argv=None):
     )
 
     started = time.perf_counter()
-    plain = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens)
+    plain = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens
+    )
     plain_seconds = time.perf_counter() - started
     plain_tokens = plain.shape[1] - ids.shape[1]
     s = out.stats
@@ -73,16 +77,26 @@ def main(argv=None):
         f"\nspeculative: {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tokens/s, "
         f"tau {s.mean_accepted:.2f} tokens per target forward, first token after {1e3 * s.time_to_first_token:.0f} ms"
     )
-    print(f"plain HF generate(): {plain_tokens} tokens in {plain_seconds:.2f} s = {plain_tokens / plain_seconds:.1f} tokens/s")
+    print(
+        f"plain HF generate(): {plain_tokens} tokens in {plain_seconds:.2f} s = {plain_tokens / plain_seconds:.1f} "
+        "tokens/s"
+    )
     reference = plain[0, ids.shape[1] :].tolist()
-    print(f"speedup {s.tokens_per_second / (plain_tokens / plain_seconds):.2f}x; output identical to plain decoding: {out.token_ids == reference}")
+    print(
+        f"speedup {s.tokens_per_second / (plain_tokens / plain_seconds):.2f}x; output identical to plain decoding: "
+        f"{out.token_ids == reference}"
+    )
     if out.token_ids != reference:  # bfloat16 only: allowed at a near-tie of the target itself
-        at = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), min(len(out.token_ids), len(reference)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b),
+            min(len(out.token_ids), len(reference)),
+        )
         if at < min(len(out.token_ids), len(reference)):
             tie, steps = near_tie(model, prompt["input_ids"] + reference[:at], out.token_ids[at], reference[at])
             print(
-                f"first difference at token {at}: both tokens are within {steps:.1f} {dtype} rounding steps of the target's top logit there"
-                f" ({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})"
+                f"first difference at token {at}: both tokens are within {steps:.1f} {dtype} rounding steps of the "
+                "target's top logit there "
+                f"({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})"
             )
 
 

@@ -1,7 +1,8 @@
 """Self-distillation throughput on this machine: answer tokens per second of batched greedy generate() against
 batch size, cache, dtype and threads, on the same seeded sample of training prompts.
 
-    python scripts/distill_speed.py --prompts 64 --settings static,bfloat16,32,2 static,bfloat16,32,1 dynamic,bfloat16,32,2
+    python scripts/distill_speed.py --prompts 64 \\
+        --settings static,bfloat16,32,2 static,bfloat16,32,1 dynamic,bfloat16,32,2
 
 Each setting is cache,dtype,batch,threads (cache: static, dynamic, or continuous for transformers' continuous
 batching). A 1-thread figure times one of `workers` processes: two of them run side by side on two cores, so
@@ -42,16 +43,27 @@ def run(model, tokenizer, prompts: list[list[int]], cache: str, batch: int, max_
         ids = torch.tensor([[eos] * (width - len(p)) + p for p in group])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         extra = {"cache_implementation": "static"} if cache == "static" else {}
-        out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos, **extra)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=eos,
+            **extra,
+        )
         rows += out[:, width:].tolist()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--prompts-file", default=DEFAULT_PROMPTS)
-    parser.add_argument("--prompts", type=int, default=64, help="how many prompts (a seeded sample) each setting answers")
+    parser.add_argument(
+        "--prompts", type=int, default=64, help="how many prompts (a seeded sample) each setting answers"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--settings", nargs="+", required=True, help="cache,dtype,batch,threads ...")
     args = parser.parse_args()
@@ -65,12 +77,17 @@ def main() -> None:
         torch.set_num_threads(int(threads))
         model, tokenizer = load_target(args.model, dtype=dtype)
         prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}]) for r in records[: args.prompts]]
-        run(model, tokenizer, prompts[: int(batch)], cache, int(batch), 8)  # warm-up: first-call costs out of the timing
+        run(
+            model, tokenizer, prompts[: int(batch)], cache, int(batch), 8
+        )  # warm-up: first-call costs out of the timing
         started = time.perf_counter()
         rows = run(model, tokenizer, prompts, cache, int(batch), args.max_new_tokens)
         seconds = time.perf_counter() - started
         tokens = answer_tokens(rows, tokenizer.eos_token_id)
-        print(f"| {cache} | {dtype} | {batch} | {threads} | {tokens} | {seconds:.1f} | {tokens / seconds:.0f} |", flush=True)
+        print(
+            f"| {cache} | {dtype} | {batch} | {threads} | {tokens} | {seconds:.1f} | {tokens / seconds:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from training.corpus import read_corpus  # noqa: E402
 
 @torch.inference_mode()
 def pass_seconds(forward, tokens: torch.Tensor, context: int, k: int, repeats: int) -> float:
-    """One pass of `forward(ids, cache=...)` over k new tokens on top of `context` cached ones, cropped back after each."""
+    """One pass of `forward(ids, cache=...)` over k new tokens on top of `context` cached ones, cropped back after
+    each."""
     cache = DynamicCache()
     forward(tokens[None, :context], cache=cache)
 
@@ -61,17 +62,30 @@ def main(argv=None) -> None:
     parser.add_argument("--catch-up", type=int, nargs="+", default=[2, 3, 4], help="token counts of the catch-up pass")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--corpus", default="data/distill/smollm2-135m-instruct-bfloat16", help="the target's own answers (training.distill)")
+    parser.add_argument(
+        "--corpus",
+        default="data/distill/smollm2-135m-instruct-bfloat16",
+        help="the target's own answers (training.distill)",
+    )
     parser.add_argument("--answers", type=int, default=20, help="how many of them, for the agreement column")
     args = parser.parse_args(argv)
 
     model, _ = load_target(args.model, dtype=args.dtype)
-    tokens = torch.randint(model.config.vocab_size, (args.context + max(args.catch_up),), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        model.config.vocab_size, (args.context + max(args.catch_up),), generator=torch.Generator().manual_seed(0)
+    )
     records = read_corpus(args.corpus)[: args.answers]
 
-    one = pass_seconds(lambda ids, cache: model(input_ids=ids, cache=cache, use_cache=True), tokens, args.context, 1, args.repeats)
-    print(f"{device_name(model.device)}, {model.dtype}, {torch.get_num_threads()} threads; one target pass over 1 token: {1e3 * one:.1f} ms\n")
-    header = "| exit layer | 1 token | " + " | ".join(f"{k} tokens" for k in args.catch_up) + " | exit's top-1 = target's |"
+    one = pass_seconds(
+        lambda ids, cache: model(input_ids=ids, cache=cache, use_cache=True), tokens, args.context, 1, args.repeats
+    )
+    print(
+        f"{device_name(model.device)}, {model.dtype}, {torch.get_num_threads()} threads; one target pass over 1 token: "
+        f"{1e3 * one:.1f} ms\n"
+    )
+    header = (
+        "| exit layer | 1 token | " + " | ".join(f"{k} tokens" for k in args.catch_up) + " | exit's top-1 = target's |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for layer in args.layers:

@@ -40,7 +40,12 @@ def methods(chains, trees):
 
 def hf_greedy(model, prompt, max_new_tokens):
     started = time.perf_counter()
-    out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens)
+    out = model.generate(
+        prompt[None],
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+    )
     return out[0, len(prompt) :], time.perf_counter() - started
 
 
@@ -94,7 +99,8 @@ def markdown(dtype, rows, prompts):
     lines = [
         f"### {dtype}",
         "",
-        "| method | tokens/s | speedup vs HF | tau | tokens/pass | target ms/pass | engine ms/step | engine % of a pass | identical to HF |",
+        "| method | tokens/s | speedup vs HF | tau | tokens/pass | target ms/pass | engine ms/step | "
+        "engine % of a pass | identical to HF |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| HF generate() greedy | {base_speed:.1f} | 1.00x | 1.00 | 1 | | | | {base['identical']}/{prompts} |",
     ]
@@ -107,14 +113,17 @@ def markdown(dtype, rows, prompts):
         engine = row["engine"] / steps * 1000
         lines.append(
             f"| {name} | {speed:.1f} | {speed / base_speed:.2f}x | {row['tokens'] / row['forwards']:.2f} | "
-            f"{row['nodes'] / steps:.1f} | {per_pass:.1f} | {engine:.2f} | {100 * engine / per_pass:.1f}% | {row['identical']}/{prompts} |"
+            f"{row['nodes'] / steps:.1f} | {per_pass:.1f} | {engine:.2f} | {100 * engine / per_pass:.1f}% | "
+            f"{row['identical']}/{prompts} |"
         )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench style question file")
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -130,10 +139,11 @@ def main(argv=None):
         f"Command: `python scripts/engine_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`  ",
         f"Machine: {device_name(torch.device('cpu'))} ({platform.machine()}, {os.cpu_count()} cores), "
         f"{torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-        f"{len(questions)} prompts (first turns of {Path(args.questions).name}), {args.max_new_tokens} new tokens each.",
+        f"{len(questions)} prompts (first turns of {Path(args.questions).name}), {args.max_new_tokens} new tokens "
+        "each.",
         "",
-        "tau = new tokens per target forward (prefill included). engine ms/step = wall time outside the target's forward "
-        "and the drafter (trees, masks, acceptance, cache compaction, bookkeeping), per decode step.",
+        "tau = new tokens per target forward (prefill included). engine ms/step = wall time outside the target's "
+        "forward and the drafter (trees, masks, acceptance, cache compaction, bookkeeping), per decode step.",
         "",
     ]
     sections = []

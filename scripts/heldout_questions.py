@@ -1,6 +1,7 @@
 """The prompts a training recipe held out, as benchmark questions: choose a tree shape on them, not on the dev set.
 
-    python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-medusa-sequential.yaml --out /tmp/heldout.jsonl
+    python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-medusa-sequential.yaml \\
+        --out /tmp/heldout.jsonl
     python scripts/benchmark.py --questions /tmp/heldout.jsonl --methods medusa --medusa checkpoints/... --top-k 4 ...
 
 A corpus recipe (`data.corpus`) trains on none of its first `data.eval_prompts` conversations (its held-out
@@ -39,7 +40,10 @@ def heldout_questions(prompts_path: str | Path, corpus: str | Path, count: int) 
         if record["id"] not in held_out:
             continue
         if record["id"] not in prompts:
-            raise SystemExit(f"prompt {record['id']} of {corpus} is not in {prompts_path}: the corpus was distilled from another prompt file")
+            raise SystemExit(
+                f"prompt {record['id']} of {corpus} is not in {prompts_path}: the corpus was distilled from another "
+                "prompt file"
+            )
         turns = [prompts[record["id"]]["prompt"]] + ([record["follow_up"]] if record["follow_up"] else [])
         questions.append({"question_id": record["id"], "category": record["source"], "turns": turns})
     return questions

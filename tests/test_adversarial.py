@@ -88,7 +88,13 @@ def test_adversarial_trees_never_change_greedy_output(case):
             if out.token_ids != reference[:max_new_tokens]:
                 mismatches.append((i, max_new_tokens, out.token_ids, reference[:max_new_tokens]))
             deep += out.stats.mean_accepted > 2
-        merged = generate(model, [AdversarialDrafter(full, vocab, seed=i), PromptLookupDrafter()], prompt, max_new_tokens=NEW_TOKENS, fallback=False)
+        merged = generate(
+            model,
+            [AdversarialDrafter(full, vocab, seed=i), PromptLookupDrafter()],
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            fallback=False,
+        )
         if merged.token_ids != reference:
             mismatches.append((i, "merged with lookup", merged.token_ids, reference))
     assert not mismatches, mismatches[:3]
@@ -100,7 +106,15 @@ def test_sampling_with_adversarial_trees_stays_the_targets_choice(case):
     model, prompts, references = case
     for i, (prompt, reference) in enumerate(zip(prompts[:10], references)):
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
-        out = generate(model, AdversarialDrafter(full, model.config.vocab_size, seed=i), prompt, max_new_tokens=NEW_TOKENS, temperature=0.7, top_k=1, seed=i)
+        out = generate(
+            model,
+            AdversarialDrafter(full, model.config.vocab_size, seed=i),
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            temperature=0.7,
+            top_k=1,
+            seed=i,
+        )
         assert out.token_ids == reference, i
 
 
@@ -110,7 +124,9 @@ def test_heads_with_non_finite_weights_draft_nothing_wrong(case):
         for i, (prompt, reference) in enumerate(zip(prompts[:10], references)):
             out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree)
             assert out.token_ids == reference, (name, i, out.token_ids, reference)
-            sampled = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, temperature=1.0, top_k=1, seed=0)
+            sampled = generate(
+                model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, temperature=1.0, top_k=1, seed=0
+            )
             assert sampled.token_ids == reference, (name, i)
 
 
@@ -136,7 +152,9 @@ def parents_after_children(tokens):
 
 def lying_depth(tokens):
     tree = Tree.chain(torch.cat([tokens[-1:], tokens[:3]]))
-    return Tree(tree.tokens, tree.parents, tree.depth, tree.ancestors, 1)  # says 1 deep, is 3: would commit past the tree's end
+    return Tree(
+        tree.tokens, tree.parents, tree.depth, tree.ancestors, 1
+    )  # says 1 deep, is 3: would commit past the tree's end
 
 
 def lying_ancestors(tokens):

@@ -37,7 +37,9 @@ def test_grouped_attention_matches_transformers_sdpa(queries, mask_batch):
 def test_folding_the_heads_in_the_wrong_order_would_be_caught():
     """The comparison above can fail: query head h must read key/value head h // groups, not h % groups."""
     module, query, key, value, mask = random_attention(2, 6, 2, 4, 7, 2)
-    regrouped = query.reshape(2, 3, 2, 4, 8).transpose(1, 2).reshape(2, 6, 4, 8)  # head h now sits where h % groups would read
+    regrouped = (
+        query.reshape(2, 3, 2, 4, 8).transpose(1, 2).reshape(2, 6, 4, 8)
+    )  # head h now sits where h % groups would read
     ours, _ = grouped_sdpa_attention(module, regrouped, key, value, mask)
     reference, _ = sdpa_attention_forward(module, query, key, value, mask)
     assert not torch.allclose(ours, reference, atol=1e-3)

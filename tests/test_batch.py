@@ -33,7 +33,9 @@ def test_tree_inputs_keep_rows_apart():
 
 
 def test_prefill_inputs_pad_on_the_right():
-    ids, positions, mask = prefill_inputs([torch.tensor([4, 5, 6]), torch.tensor([7])], pad_token=4, dtype=torch.float32)
+    ids, positions, mask = prefill_inputs(
+        [torch.tensor([4, 5, 6]), torch.tensor([7])], pad_token=4, dtype=torch.float32
+    )
     allowed = mask[:, 0] == 0
     assert ids.tolist() == [[4, 5, 6], [7, 4, 4]] and positions.tolist() == [[0, 1, 2], [0, 1, 2]]
     assert allowed[0].tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
@@ -63,8 +65,12 @@ def heads_for(model):
     sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, num_layers=2, sequential=True))
     for p in [*medusa.parameters(), *sequential.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: drafts should vary
-    eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)).eval()
-    eagle3 = EagleHead(EagleConfig.for_target(model.config, architecture="eagle3", feature_layers=[0, 1], draft_vocab_size=48)).eval()
+    eagle = EagleHead(
+        EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)
+    ).eval()
+    eagle3 = EagleHead(
+        EagleConfig.for_target(model.config, architecture="eagle3", feature_layers=[0, 1], draft_vocab_size=48)
+    ).eval()
     exit_head = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
     tree = DynamicTreeSpec(depth=4, top_k=3, nodes=10)
     return {
@@ -79,7 +85,9 @@ def heads_for(model):
     }
 
 
-@pytest.fixture(scope="module", params=[("llama", "sdpa", 21), ("qwen2", "eager", 22)], ids=["llama-sdpa", "qwen2-eager"])
+@pytest.fixture(
+    scope="module", params=[("llama", "sdpa", 21), ("qwen2", "eager", 22)], ids=["llama-sdpa", "qwen2-eager"]
+)
 def case(request):
     family, attn, seed = request.param
     model = tiny_model(family, attn=attn)
@@ -99,7 +107,14 @@ def test_every_row_matches_hf_greedy_alone(case):
         for size, batch_size in calls:
             batch = slice(start, start + size)
             outs = generate(
-                model, heads, [p.tolist() for p in prompts[batch]], max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False, batch_size=batch_size
+                model,
+                heads,
+                [p.tolist() for p in prompts[batch]],
+                max_new_tokens=NEW_TOKENS,
+                tree=tree,
+                lookup=False,
+                fallback=False,
+                batch_size=batch_size,
             )
             assert len(outs) == size
             for offset, (out, reference) in enumerate(zip(outs, references[batch])):
@@ -109,7 +124,9 @@ def test_every_row_matches_hf_greedy_alone(case):
                 prompt, d = prompts[start + offset], first_divergence(out.token_ids, reference)
                 tie = (
                     d < min(len(out.token_ids), len(reference))
-                    and near_tie(model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], FP32_TIE_STEPS)[0]
+                    and near_tie(
+                        model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], FP32_TIE_STEPS
+                    )[0]
                 )
                 (near_ties if tie else mismatches).append((name, start + offset, d))
             start += size
@@ -123,21 +140,45 @@ def test_rows_stop_on_their_own():
     model = tiny_model("llama")
     prompts = random_prompts(model.config.vocab_size, 12, seed=5)
     references = [hf_greedy(model, p, 1) for p in prompts]
-    assert [o.token_ids for o in generate(model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=1, lookup=False)] == references
+    assert [
+        o.token_ids
+        for o in generate(model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=1, lookup=False)
+    ] == references
     references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    assert any(ref[-1] == EOS and len(ref) < NEW_TOKENS for ref in references) and any(len(ref) == NEW_TOKENS for ref in references)
-    outs = generate(model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, lookup=False)
+    assert any(ref[-1] == EOS and len(ref) < NEW_TOKENS for ref in references) and any(
+        len(ref) == NEW_TOKENS for ref in references
+    )
+    outs = generate(
+        model, PromptLookupDrafter(), [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, lookup=False
+    )
     assert [o.token_ids for o in outs] == references
 
 
 def test_sampling_rows_are_seeded_as_alone():
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 5, 6], [8, 9], [10, 11, 12, 13]]
-    alone = [generate(model, PromptLookupDrafter(), p, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False).token_ids for p in prompts]
+    alone = [
+        generate(
+            model, PromptLookupDrafter(), p, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False
+        ).token_ids
+        for p in prompts
+    ]
     # the draws a step makes depend on its tree, so both sides draft at every step (the fallback's choice is timed)
-    together = generate(model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False)
+    together = generate(
+        model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False
+    )
     assert [o.token_ids for o in together] == alone
-    in_turn = generate(model, PromptLookupDrafter(), prompts, max_new_tokens=20, temperature=1.0, seed=7, lookup=False, fallback=False, batch_size=2)
+    in_turn = generate(
+        model,
+        PromptLookupDrafter(),
+        prompts,
+        max_new_tokens=20,
+        temperature=1.0,
+        seed=7,
+        lookup=False,
+        fallback=False,
+        batch_size=2,
+    )
     assert [o.token_ids for o in in_turn] == alone
 
 
@@ -188,7 +229,9 @@ def test_a_batch_drafts_what_each_row_drafts_alone(kind):
         hidden, tokens = [], []
         for row, count in zip(rows, counts):
             old = texts[row].shape[0]
-            texts[row] = torch.cat([texts[row], torch.randint(4, 90, (count,), generator=torch.Generator().manual_seed(row + 10 * count))])
+            texts[row] = torch.cat(
+                [texts[row], torch.randint(4, 90, (count,), generator=torch.Generator().manual_seed(row + 10 * count))]
+            )
             with torch.no_grad():
                 states = model(texts[row][None], output_hidden_states=True).hidden_states
             start, end = 0 if row in first else old - 1, old - 1 + count
@@ -203,7 +246,10 @@ def test_a_batch_drafts_what_each_row_drafts_alone(kind):
             trees = batch.propose_rows([texts[row] for row in rows], [4] * len(rows))
             for slot, row in enumerate(rows):
                 own = alone[row].propose(texts[row], 4)
-                assert torch.equal(trees[slot].tokens, own.tokens) and torch.equal(trees[slot].parents, own.parents), (kind, row)
+                assert torch.equal(trees[slot].tokens, own.tokens) and torch.equal(trees[slot].parents, own.parents), (
+                    kind,
+                    row,
+                )
                 if kind != "medusa":
                     torch.testing.assert_close(batch.last[slot], alone[row].last[0], atol=1e-5, rtol=1e-4)
 

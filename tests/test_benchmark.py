@@ -50,20 +50,43 @@ def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_p
     assert summary["overall"]["lookup"]["identical"] == 1.0  # our drafter never changes the output
     assert summary["overall"]["hf"]["turns"] == 3 and summary["overall"]["lookup"]["tau"] >= 1.0
     assert [r["turn"] for r in report["records"]] == [0, 1, 0]
-    assert out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
+    assert (
+        out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
+    )
 
 
 def test_batch_throughput_puts_every_method_beside_hf_batched(tiny_chat, tmp_path):
     questions = tmp_path / "questions.jsonl"
-    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "chat", "turns": [f"the cat runs {i} times"]}) for i in range(5)))
+    questions.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": "chat", "turns": [f"the cat runs {i} times"]}) for i in range(5)
+        )
+    )
     out = tmp_path / "batches"
     args = ["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "hf", "plain", "lookup"]
-    benchmark.main(args + ["--max-new-tokens", "10", "--batch-sizes", "1", "2", "--tree", "fixed", "--reference-rows", "5", "--out", str(out)])
+    benchmark.main(
+        args
+        + [
+            "--max-new-tokens",
+            "10",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--tree",
+            "fixed",
+            "--reference-rows",
+            "5",
+            "--out",
+            str(out),
+        ]
+    )
     lines = out.with_suffix(".md").read_text().splitlines()
     assert "| batch | HF generate() batched | plain | lookup | identical |" in lines
     rows = [line for line in lines if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and all(row.endswith("| 5/5, 5/5 |") for row in rows)  # float32: every row is HF's own
-    assert all(row.split("|")[3].strip().endswith("tau 1.00)") for row in rows)  # plain decoding: one token a target pass
+    assert all(
+        row.split("|")[3].strip().endswith("tau 1.00)") for row in rows
+    )  # plain decoding: one token a target pass
 
 
 def test_divergence_measures_the_targets_own_logit_gap():
@@ -154,13 +177,34 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
     model, _ = load_target(str(tiny_chat / "model"))
     questions = tmp_path / "questions.jsonl"
     texts = ["the cat runs", "a dog sleeps here", "one two three", "birds fly south"]
-    questions.write_text("".join(json.dumps({"question_id": i, "category": "chat" if i % 2 else "code", "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": "chat" if i % 2 else "code", "turns": [t]}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
     torch.manual_seed(0)
     training = {"tokens": 900, "sequences": 9, "steps": 3, "train_seconds": 6.0}
     head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "head", model, training=training)
-    common = ["--model", str(tiny_chat / "model"), "--questions", str(questions), "--methods", "eagle", "--eagle", str(head), "--tree", "fixed"]
+    common = [
+        "--model",
+        str(tiny_chat / "model"),
+        "--questions",
+        str(questions),
+        "--methods",
+        "eagle",
+        "--eagle",
+        str(head),
+        "--tree",
+        "fixed",
+    ]
     common += ["--max-new-tokens", "8"]
-    for name, shard in (("whole", []), ("part0", ["--shard", "0/3"]), ("part1", ["--shard", "1/3"]), ("part2", ["--shard", "2/3"])):
+    for name, shard in (
+        ("whole", []),
+        ("part0", ["--shard", "0/3"]),
+        ("part1", ["--shard", "1/3"]),
+        ("part2", ["--shard", "2/3"]),
+    ):
         benchmark.main(common + shard + ["--out", str(tmp_path / name)])
     parts = [tmp_path / f"part{k}.json" for k in range(3)]
     assert sorted(len(json.loads(p.read_text())["records"]) for p in parts) == [1, 1, 2]  # questions 0 and 3, 1, 2
@@ -174,15 +218,21 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
     merged_run, whole_run = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("merged", "whole"))
     assert {r["question_id"] for r in merged_run["records"]} == {0, 1, 2, 3}
     for category in ("chat", "code", "overall"):
-        assert merged_run["summary"][category]["eagle"]["tau"] == pytest.approx(whole_run["summary"][category]["eagle"]["tau"])
-    assert (tmp_path / "merged.md").read_text().count("Command: `python scripts/benchmark.py") == 3 and (tmp_path / "merged.png").is_file()
+        assert merged_run["summary"][category]["eagle"]["tau"] == pytest.approx(
+            whole_run["summary"][category]["eagle"]["tau"]
+        )
+    assert (tmp_path / "merged.md").read_text().count("Command: `python scripts/benchmark.py") == 3 and (
+        tmp_path / "merged.png"
+    ).is_file()
     with pytest.raises(SystemExit, match=r"every shard of one run once \(0/3 .. 2/3\), got 0/3, 1/3"):
         benchmark.main(["--merge", *map(str, parts[:2]), "--out", str(tmp_path / "refused")])
     other = json.loads(parts[2].read_text())
     other["args"]["max_new_tokens"] = 9
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="other settings .*max_new_tokens"):
-        benchmark.main(["--merge", *map(str, parts[:2]), str(tmp_path / "other.json"), "--out", str(tmp_path / "refused")])
+        benchmark.main(
+            ["--merge", *map(str, parts[:2]), str(tmp_path / "other.json"), "--out", str(tmp_path / "refused")]
+        )
     with pytest.raises(SystemExit):
         benchmark.main(common + ["--shard", "3/3"])
     assert "--shard K/N needs 0 <= K < N, got '3/3'" in capsys.readouterr().err
@@ -212,9 +262,13 @@ def test_check_greedy_catches_an_answer_that_stops_early(tiny_chat):
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
     prompt = torch.tensor([1, 5, 7, 9])
-    greedy = model.generate(prompt[None], attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False, max_new_tokens=8)[0, 4:].tolist()
+    greedy = model.generate(
+        prompt[None], attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False, max_new_tokens=8
+    )[0, 4:].tolist()
     eos = {model.generation_config.eos_token_id}
-    assert check_greedy.check_answer(model, prompt, greedy, eos, 8)["stops_right"] == (len(greedy) == 8 or greedy[-1] in eos)
+    assert check_greedy.check_answer(model, prompt, greedy, eos, 8)["stops_right"] == (
+        len(greedy) == 8 or greedy[-1] in eos
+    )
     shortened = check_greedy.check_answer(model, prompt, greedy[:5], eos, 8)
     assert not shortened["mismatches"] and not shortened["stops_right"]
 
@@ -226,10 +280,20 @@ def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
     corpus.mkdir()
 
     def record(i, turn, follow_up=None):
-        return {"id": i, "source": prompts[i]["source"], "turn": turn, "follow_up": follow_up, "prompt_ids": [1], "answer_ids": [2]}
+        return {
+            "id": i,
+            "source": prompts[i]["source"],
+            "turn": turn,
+            "follow_up": follow_up,
+            "prompt_ids": [1],
+            "answer_ids": [2],
+        }
 
     # corpus order, not id order; a second turn is part of its conversation, not a conversation of its own
-    write_shard(corpus / "shard-00000.jsonl.gz", [record(3, 1, "and then?"), record(3, 2, "and then?"), record(0, 1), record(5, 1)])
+    write_shard(
+        corpus / "shard-00000.jsonl.gz",
+        [record(3, 1, "and then?"), record(3, 2, "and then?"), record(0, 1), record(5, 1)],
+    )
     questions = heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 2)
     assert questions == [
         {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
@@ -244,7 +308,9 @@ def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
     heads = {"medusa": MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=50, num_heads=3, sequential=True))}
 
     def tree(**given):
-        settings = dict(tree="fixed", depth=None, top_k=None, nodes=15, no_fallback=True, no_context_vocab=False, methods=["medusa"])
+        settings = dict(
+            tree="fixed", depth=None, top_k=None, nodes=15, no_fallback=True, no_context_vocab=False, methods=["medusa"]
+        )
         args = argparse.Namespace(**{**settings, **given})
         return benchmark.our_settings(args, heads)["medusa"]["tree"]
 
@@ -267,6 +333,10 @@ def test_no_context_vocab_drafts_from_the_heads_own_vocabulary():
             continue
         alone, merged = runs["eagle"]["heads"], runs["eagle+lookup"]["heads"]
         assert not alone.context.enabled and alone.spec.depth == 3 and runs["eagle"]["tree"] is None
-        assert not merged.drafters[0].context.enabled and runs["eagle+lookup"]["lookup"] is False and len(merged.drafters) == 2
+        assert (
+            not merged.drafters[0].context.enabled
+            and runs["eagle+lookup"]["lookup"] is False
+            and len(merged.drafters) == 2
+        )
     with pytest.raises(SystemExit):  # the drafters are built with a fixed tree
         benchmark.main(["--methods", "eagle", "--eagle", "unused", "--no-context-vocab"])

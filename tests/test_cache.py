@@ -77,7 +77,9 @@ def test_rows_leave_and_join_the_batch_within_the_buffer():
         reference.update(keys, values, 0)
 
     def same() -> None:
-        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys) and torch.equal(ours.layers[0].values, reference.layers[0].values)
+        assert torch.equal(ours.layers[0].keys, reference.layers[0].keys) and torch.equal(
+            ours.layers[0].values, reference.layers[0].values
+        )
         assert ours.layers[0].key_buffer.data_ptr() == buffer  # rows moved within the buffer
         assert ours.layers[0].keys.numel() == 0 or ours.layers[0].keys.data_ptr() == buffer
 

@@ -34,7 +34,10 @@ def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
     free = DynamicTreeSpec(depth=3, top_k=2, nodes=6, cost=PassCost((1, 64), (1.0, 1.0)))
     costly = DynamicTreeSpec(depth=3, top_k=2, nodes=6, cost=PassCost((1, 2), (1.0, 3.0), draft_level=0.5))
     head_alone = dict(max_new_tokens=24, lookup=False, fallback=False)
-    wide, narrow = generate(model, head, prompt, tree=free, **head_alone), generate(model, head, prompt, tree=costly, **head_alone)
+    wide, narrow = (
+        generate(model, head, prompt, tree=free, **head_alone),
+        generate(model, head, prompt, tree=costly, **head_alone),
+    )
     assert wide.token_ids == reference and narrow.token_ids == reference
     steps = narrow.stats.target_forwards - 1  # the prefill is not a decode step
     assert narrow.stats.tree_nodes == steps  # nothing but the root was ever verified
@@ -75,7 +78,9 @@ def test_loop_steps_are_timed_at_the_depth_asked(monkeypatch):
     def recording_drafter(*args, **kwargs):
         drafter = as_drafter(*args, **kwargs)
         propose_rows = drafter.propose_rows
-        drafter.propose_rows = lambda texts, max_depths: asked[-1].append(min(max_depths)) or propose_rows(texts, max_depths)
+        drafter.propose_rows = lambda texts, max_depths: (
+            asked[-1].append(min(max_depths)) or propose_rows(texts, max_depths)
+        )
         asked.append([])
         return drafter
 

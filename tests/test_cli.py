@@ -40,10 +40,33 @@ def test_eagle_head_gets_a_tree_calibrated_to_the_machine(tiny_chat, tmp_path, c
     monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path / "calibration")
     model, _ = load_target(tiny_chat / "model")
     save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "eagle", model)
-    main(["the cat runs", "--model", str(tiny_chat / "model"), "--heads", str(tmp_path / "eagle"), "--max-new-tokens", "6", "--stats"])
+    main(
+        [
+            "the cat runs",
+            "--model",
+            str(tiny_chat / "model"),
+            "--heads",
+            str(tmp_path / "eagle"),
+            "--max-new-tokens",
+            "6",
+            "--stats",
+        ]
+    )
     assert "calibrating pass costs" in capsys.readouterr().out
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
-    main(["the cat runs", "--model", str(tiny_chat / "model"), "--heads", str(tmp_path / "eagle"), "--max-new-tokens", "6", "--tree", "3,2,4"])
+    main(
+        [
+            "the cat runs",
+            "--model",
+            str(tiny_chat / "model"),
+            "--heads",
+            str(tmp_path / "eagle"),
+            "--max-new-tokens",
+            "6",
+            "--tree",
+            "3,2,4",
+        ]
+    )
     for tree, message in [
         ("3,2", "is auto or depth,top_k,nodes"),
         ("a,b,c", "got 'a,b,c'"),
@@ -51,7 +74,21 @@ def test_eagle_head_gets_a_tree_calibrated_to_the_machine(tiny_chat, tmp_path, c
         ("2.5,4,15", "depth,top_k,nodes"),
         ("20,64,15", "candidate nodes a step"),
     ]:
-        assert cli(["the cat runs", "--model", str(tiny_chat / "model"), "--heads", str(tmp_path / "eagle"), "--tree", tree], capsys) == 2
+        assert (
+            cli(
+                [
+                    "the cat runs",
+                    "--model",
+                    str(tiny_chat / "model"),
+                    "--heads",
+                    str(tmp_path / "eagle"),
+                    "--tree",
+                    tree,
+                ],
+                capsys,
+            )
+            == 2
+        )
         assert message in capsys.readouterr().err
 
 
@@ -91,11 +128,14 @@ def test_the_installed_command_line_reports_errors_and_ctrl_c_in_one_line(tiny_c
     """`python -m inference` itself, as a user runs it: a bad setting, then Ctrl-C at the chat prompt."""
     command = [sys.executable, "-m", "inference", "--model", str(tiny_chat / "model")]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    bad = subprocess.run(command + ["hi", "--temperature", "-1"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        command + ["hi", "--temperature", "-1"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("python -m inference: error: temperature must be >= 0")
 
-    # a runner started in the background (`cmd &`) ignores SIGINT and its children inherit that: give the chat a terminal's default
+    # a runner started in the background (`cmd &`) ignores SIGINT and its children inherit that: give the chat a
+    # terminal's default
     chat = subprocess.Popen(
         command + ["--chat"],
         cwd=ROOT,
@@ -123,4 +163,6 @@ def test_the_installed_command_line_reports_errors_and_ctrl_c_in_one_line(tiny_c
     finally:
         watchdog.cancel()
         chat.stdin.close()
-    assert chat.returncode == 130 and "Traceback" not in err and err.strip().endswith("python -m inference: interrupted"), err
+    assert (
+        chat.returncode == 130 and "Traceback" not in err and err.strip().endswith("python -m inference: interrupted")
+    ), err

@@ -11,7 +11,16 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead
-from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, compile_target, compiled, generate, warm_up
+from inference import (
+    DynamicTreeSpec,
+    OracleDrafter,
+    PromptLookupDrafter,
+    best_static_paths,
+    compile_target,
+    compiled,
+    generate,
+    warm_up,
+)
 from inference.compiled import decoding_pass, is_compiled, package_path
 from inference.tree import default_accuracy
 from test_exactness_tiny import random_prompts
@@ -33,9 +42,9 @@ def compiled_llama(package_cache):
     return model
 
 
-def recorded_shapes(model, monkeypatch) -> list[tuple[int, int]]:
-    """(rows, tokens) of every pass that runs through the compiled package from now on."""
-    passes, shapes = decoding_pass(model), []
+def recorded_shapes(passes, monkeypatch) -> list[tuple[int, int]]:
+    """(rows, tokens) of every pass that runs through a compiled package (decoding_pass(model), a compiled head)."""
+    shapes = []
     runner = passes.runner
     monkeypatch.setattr(passes, "runner", lambda ids, *rest: shapes.append(tuple(ids.shape)) or runner(ids, *rest))
     return shapes
@@ -47,13 +56,20 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     model = compiled_llama
     torch.manual_seed(1)
     eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
+    eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[0, 1, -1], architecture="eagle3")).eval()
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
-    shapes = recorded_shapes(model, monkeypatch)
+    shapes = recorded_shapes(decoding_pass(model), monkeypatch)
+    head_shapes = {}
+    for head in (eagle, eagle3):  # the heads' passes compile with the target's
+        passes = compiled.compiled_head(head, model)
+        assert passes is not head and passes.ready(verbose=False)
+        head_shapes[head] = recorded_shapes(passes, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
         drafters = {
             "eagle": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
+            "eagle3": (eagle3, DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
             "oracle-tree-30": (OracleDrafter(full, tree30, model.config.vocab_size), None),
             "lookup": (PromptLookupDrafter(max_ngram=2), None),
             "plain": (None, None),
@@ -63,14 +79,23 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
             assert out.token_ids == reference, (name, prompt.tolist())
     widths = {tokens for _, tokens in shapes}
     assert 1 in widths and max(widths) > 10, "plain steps and wide trees both ran through the compiled pass"
+    for head, calls in head_shapes.items():  # committed tokens read (1 a step or more) and draft levels (top_k wide)
+        assert {shape[1] for shape in calls} >= {1, 3 if head is eagle else 2}, calls
 
 
 def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):
     model = compiled_llama
-    shapes = recorded_shapes(model, monkeypatch)
+    shapes = recorded_shapes(decoding_pass(model), monkeypatch)
     prompts = random_prompts(model.config.vocab_size, 5, seed=9)
     references = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-    outs = generate(model, PromptLookupDrafter(max_ngram=2), [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, batch_size=3, fallback=False)
+    outs = generate(
+        model,
+        PromptLookupDrafter(max_ngram=2),
+        [p.tolist() for p in prompts],
+        max_new_tokens=NEW_TOKENS,
+        batch_size=3,
+        fallback=False,
+    )
     assert [o.token_ids for o in outs] == references
     assert {rows for rows, _ in shapes} >= {3, 1}, "batches of several rows and of one ran through the one package"
 
@@ -103,7 +128,7 @@ def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(package
     monkeypatch.setattr(compiled.torch.export, "export", fails)
     model = compile_target(tiny_model("llama", seed=2))
     prompt = random_prompts(model.config.vocab_size, 1, seed=5)[0]
-    with pytest.warns(UserWarning, match="compiling failed on LlamaForCausalLM .*Unsupported.*eager model"):
+    with pytest.warns(UserWarning, match="compiling failed on LlamaForCausalLM .*Unsupported.*running it eagerly"):
         out = generate(model, PromptLookupDrafter(), prompt, max_new_tokens=NEW_TOKENS)
     assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
     assert not is_compiled(model) and not package_path(model).exists()

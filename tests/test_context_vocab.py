@@ -21,7 +21,9 @@ def test_extended_appends_the_new_tokens_rows_from_the_target():
     assert grown.ids.tolist() == [2, 5, 7, 3, 11] and base.ids.tolist() == [2, 5, 7]  # the base is left as it was
     assert torch.equal(grown.weight, projection.weight[[2, 5, 7, 3, 11]])
     assert grown.base_size == 3 and grown.member[[2, 3, 5, 7, 11]].all() and int(grown.member.sum()) == 5
-    assert grown.to_target(torch.tensor([3, 4])).tolist() == [3, 11] and grown.from_target(torch.tensor([11, 4])).tolist() == [4, -100]
+    assert grown.to_target(torch.tensor([3, 4])).tolist() == [3, 11] and grown.from_target(
+        torch.tensor([11, 4])
+    ).tolist() == [4, -100]
     features = torch.randn(2, 4)
     torch.testing.assert_close(grown.logits(features), projection(features)[:, [2, 5, 7, 3, 11]])
     assert grown.extended(torch.tensor([2, 3])) is grown  # nothing new: no copy
@@ -37,7 +39,13 @@ def test_vocabularies_grown_from_one_another_keep_their_own_rows():
     second = first.extended(torch.tensor([11]))  # the newest: its row is written in place after first's
     other = first.extended(torch.tensor([13, 1]))  # first grown again: must not land where 11's row is
     again = base.extended(torch.tensor([9]))
-    for vocab, ids in [(base, [2, 5, 7]), (first, [2, 5, 7, 3]), (second, [2, 5, 7, 3, 11]), (other, [2, 5, 7, 3, 1, 13]), (again, [2, 5, 7, 9])]:
+    for vocab, ids in [
+        (base, [2, 5, 7]),
+        (first, [2, 5, 7, 3]),
+        (second, [2, 5, 7, 3, 11]),
+        (other, [2, 5, 7, 3, 1, 13]),
+        (again, [2, 5, 7, 9]),
+    ]:
         assert vocab.ids.tolist() == ids
         assert torch.equal(vocab.weight, projection.weight[ids]), ids
         assert torch.equal(vocab.bias, projection.bias[ids]), ids
@@ -50,7 +58,10 @@ def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
     assert not own.extensible
     with pytest.raises(ValueError, match="rows of its own"):
         own.extended(torch.tensor([3]))
-    assert not ContextVocabulary(own).enabled and not ContextVocabulary(DraftVocabulary(projection, torch.tensor([1])), enabled=False).enabled
+    assert (
+        not ContextVocabulary(own).enabled
+        and not ContextVocabulary(DraftVocabulary(projection, torch.tensor([1])), enabled=False).enabled
+    )
 
 
 def test_each_row_drafts_only_the_tokens_it_has_seen():
@@ -62,7 +73,9 @@ def test_each_row_drafts_only_the_tokens_it_has_seen():
     log_probs = context.log_probs(torch.zeros(2, 3, 4))  # [rows, frontier, N]
     probabilities = log_probs.exp()
     assert (probabilities[0, :, 2] == 0).all()
-    torch.testing.assert_close(probabilities[0, :, [0, 1, 3]], torch.full((3, 3), 1 / 3))  # as if the row drafted from 3 tokens
+    torch.testing.assert_close(
+        probabilities[0, :, [0, 1, 3]], torch.full((3, 3), 1 / 3)
+    )  # as if the row drafted from 3 tokens
     torch.testing.assert_close(probabilities[1], torch.full((3, 4), 1 / 4))
     vocab = context.read_texts([torch.tensor([9, 2, 13]), torch.tensor([4, 9, 5, 5])])  # only what is new is read
     assert vocab.ids.tolist() == [2, 5, 4, 9, 13] and context.unseen[1].tolist() == [False, False, False, False, True]

@@ -36,12 +36,17 @@ def settings(tiny_chat, root, **extra):
 def test_the_corpus_grows_without_asking_twice(tiny_chat, tmp_path, monkeypatch):
     asked = []
     answer = distill_module.answer
-    monkeypatch.setattr(distill_module, "answer", lambda m, t, prompts, n: asked.extend(map(tuple, prompts)) or answer(m, t, prompts, n))
+    monkeypatch.setattr(
+        distill_module, "answer", lambda m, t, prompts, n: asked.extend(map(tuple, prompts)) or answer(m, t, prompts, n)
+    )
     corpus = distill(settings(tiny_chat, tmp_path, answers=8, second_turn_share=0.25))
     first = read_corpus(corpus)
     # 6 first turns (no first answers existed for second turns yet), round-robin over the two sources
     assert len(asked) == 6 and [r["turn"] for r in first] == [1] * 6
-    assert [r["source"] for r in first] == ["chat", "maths"] * 3 or [r["source"] for r in first] == ["maths", "chat"] * 3
+    assert [r["source"] for r in first] == ["chat", "maths"] * 3 or [r["source"] for r in first] == [
+        "maths",
+        "chat",
+    ] * 3
     corpus = distill(settings(tiny_chat, tmp_path, answers=12, second_turn_share=0.25))
     grown = read_corpus(corpus)
     assert grown[:6] == first  # the earlier shards are untouched
@@ -53,7 +58,10 @@ def test_the_corpus_grows_without_asking_twice(tiny_chat, tmp_path, monkeypatch)
         assert record["follow_up"] in FOLLOW_UPS
         first_answer = by_key[(record["id"], 1)]["answer_ids"]
         # the second turn's prompt holds the first turn's prompt, then the target's own first answer
-        first_prompt, answer_words = by_key[(record["id"], 1)]["prompt_ids"], [t for t in first_answer if t != tokenizer.eos_token_id]
+        first_prompt, answer_words = (
+            by_key[(record["id"], 1)]["prompt_ids"],
+            [t for t in first_answer if t != tokenizer.eos_token_id],
+        )
         assert record["prompt_ids"][: len(first_prompt) - 2] == first_prompt[:-2]  # up to the generation prompt
         assert " ".join(map(str, answer_words)) in " ".join(map(str, record["prompt_ids"][len(first_prompt) - 2 :]))
     # nothing left to do: no model call
@@ -91,7 +99,12 @@ def test_bad_prompt_files_are_named(tiny_chat, tmp_path):
 
 
 def test_command_line_errors_are_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "training.distill", "--answerz", "3"], capture_output=True, text=True, cwd=tmp_path.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.distill", "--answerz", "3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path.parent,
+    )
     assert proc.returncode == 2 and "unknown key(s) ['answerz']" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -128,7 +141,9 @@ def test_reinstructed_answers_grow_the_corpus_and_keep_held_out_passages_out(tin
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i in range(12):
             source = "documents" if i % 2 else "chat"
-            prompt = f"{instructions[i % 3]}\n\n{WORDS[i + 3]} sun sea" if source == "documents" else f"hello number {i}"
+            prompt = (
+                f"{instructions[i % 3]}\n\n{WORDS[i + 3]} sun sea" if source == "documents" else f"hello number {i}"
+            )
             f.write(json.dumps({"id": i, "source": source, "prompt": prompt}) + "\n")
     config = settings(tiny_chat, tmp_path, prompts=str(tmp_path / "prompts.jsonl"), answers=12, second_turn_share=0)
     corpus = distill(replace(config, reinstruct_source="documents", reinstructed=4))
@@ -145,7 +160,13 @@ def test_reinstructed_answers_grow_the_corpus_and_keep_held_out_passages_out(tin
     distill(replace(config, reinstruct_source="documents", reinstructed=4))  # nothing left to ask
     assert read_corpus(corpus) == records
     # a held-out prompt's passage stays out of training under its other instruction too
-    data = DataConfig(path=str(tmp_path / "prompts.jsonl"), corpus=str(corpus), eval_prompts=12, dataset_responses=0, cache_dir=str(tmp_path / "cache"))
+    data = DataConfig(
+        path=str(tmp_path / "prompts.jsonl"),
+        corpus=str(corpus),
+        eval_prompts=12,
+        dataset_responses=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     with pytest.raises(ValueError, match="no training sequences"):
         build_datasets(data, tokenizer, model, "tiny", seed=0)
     train_set, _ = build_datasets(replace(data, eval_prompts=11), tokenizer, model, "tiny", seed=0)
@@ -168,7 +189,9 @@ def test_request_filter_refuses_unfinished_short_and_repeated_requests():
     assert seen.reason(request) is None
     seen.add(request)
     assert seen.reason("how do I plan a week of healthy dinners, for a family of four on a small budget") == "repeat"
-    assert seen.reason("How do I plan a week of healthy dinners for a family of five on a small budget?") == "near repeat"
+    assert (
+        seen.reason("How do I plan a week of healthy dinners for a family of five on a small budget?") == "near repeat"
+    )
     assert seen.reason("How do I plan a week of healthy lunches for a team of ten?") is None
     # a trigram held by many requests does not find candidates, a rare one still does
     crowd = RequestFilter(common=3)
@@ -184,19 +207,30 @@ def test_self_prompting_needs_a_chat_template_and_a_closed_turn(tiny_chat):
     words = tokenizer("the cat runs", add_special_tokens=False)["input_ids"]
     assert request_text(tokenizer, words + [close, 5], close) == "the cat runs"
     assert request_text(tokenizer, words, close) is None  # never closed: it ran past request_tokens
-    assert request_text(tokenizer, words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words + [close], close) is None
+    assert (
+        request_text(tokenizer, words[:1] + [tokenizer.convert_tokens_to_ids("<|im_start|>")] + words + [close], close)
+        is None
+    )
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="self-prompting needs a chat model"):
         user_turn(tokenizer, [])
 
 
 def test_the_target_writes_requests_answers_them_and_writes_second_turns(tiny_chat, tmp_path, monkeypatch):
-    config = settings(tiny_chat, tmp_path, answers=0, self_prompts=8, second_turn_share=0.25, request_tokens=30, batch_size=4)
+    config = settings(
+        tiny_chat, tmp_path, answers=0, self_prompts=8, second_turn_share=0.25, request_tokens=30, batch_size=4
+    )
     corpus = distill(config)
     firsts = read_corpus(corpus)
     model, tokenizer = load_target(str(tiny_chat / "model"))
-    assert 1 <= len(firsts) <= 6 and {r["source"] for r in firsts} == {"self-prompted"} and {r["turn"] for r in firsts} == {1}
-    assert [r["id"] for r in firsts] == sorted(r["id"] for r in firsts) and all(r["id"].startswith("self-") for r in firsts)
+    assert (
+        1 <= len(firsts) <= 6
+        and {r["source"] for r in firsts} == {"self-prompted"}
+        and {r["turn"] for r in firsts} == {1}
+    )
+    assert [r["id"] for r in firsts] == sorted(r["id"] for r in firsts) and all(
+        r["id"].startswith("self-") for r in firsts
+    )
     unique = RequestFilter()
     for record in firsts:
         assert unique.reason(record["prompt"]) is None  # long enough, and no repeat of another request
@@ -209,7 +243,9 @@ def test_the_target_writes_requests_answers_them_and_writes_second_turns(tiny_ch
     assert 1 <= len(seconds) <= 2 and len(grown) <= 8
     for record in seconds:
         first = next(r for r in firsts if r["id"] == record["id"])
-        assert record["follow_up"] and tokenizer.decode(record["prompt_ids"]).endswith(f"{record['follow_up']} <|im_end|> <|im_start|> assistant")
+        assert record["follow_up"] and tokenizer.decode(record["prompt_ids"]).endswith(
+            f"{record['follow_up']} <|im_end|> <|im_start|> assistant"
+        )
         assert " ".join(map(str, first["prompt_ids"][:-2])) in " ".join(map(str, record["prompt_ids"]))
     manifest = json.loads((corpus / "corpus.json").read_text())
     assert manifest["self_prompting"] == {"temperature": 1.0, "top_p": 0.95, "request_tokens": 30}

@@ -15,7 +15,9 @@ def recompute(head, model, tokens, draft_tokens):
     layers = head.config.feature_layers
     with torch.no_grad():
         hidden = model(tokens[None], output_hidden_states=True).hidden_states
-        features = head.fuse_features(torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1))  # the target's, x_0..x_{n-2}
+        features = head.fuse_features(
+            torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1)
+        )  # the target's, x_0..x_{n-2}
         inputs = tokens[1:]
         out = None
         for step in range(len(draft_tokens) + 1):
@@ -42,7 +44,9 @@ class CheckedEagleDrafter(EagleDrafter):
 
     def propose(self, tokens, max_depth):
         self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
-        torch.testing.assert_close(self.last[0], recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            self.last[0], recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4
+        )
         self.seen = []
         tree = super().propose(tokens, max_depth)
         if tree.size == 1:  # nothing drafted at the last step
@@ -53,7 +57,9 @@ class CheckedEagleDrafter(EagleDrafter):
             parent_path = tree.ancestors[tree.parents[node]].nonzero().flatten()[1:]  # root excluded
             expected = recompute(self.head, self.model, tokens, tree.tokens[parent_path])
             # the head output the node was drawn from was computed exactly (same positions, same mask) ...
-            assert torch.isclose(seen, expected, atol=1e-5, rtol=1e-4).all(-1).any(), f"node {node}: no matching head output"
+            assert torch.isclose(seen, expected, atol=1e-5, rtol=1e-4).all(-1).any(), (
+                f"node {node}: no matching head output"
+            )
             # ... and the node is one of its top-k
             assert tree.tokens[node] in lm_head(expected).topk(self.spec.top_k).indices
             self.checked_nodes += 1
@@ -77,20 +83,32 @@ def test_draft_nodes_copy_along_their_own_paths():
     successors = {}
     copy_tokens(committed, successors=successors)  # the bigram map as reading the committed pairs leaves it
     before = dict(successors)
-    # root -> 5 -> 6 -> 7 and root -> 9: (8, 5) was followed by 6, then (5, 6) latest by 9, (6, 7) by 8; (8, 9) never seen
+    # root -> 5 -> 6 -> 7 and root -> 9: (8, 5) was followed by 6, then (5, 6) latest by 9, (6, 7) by 8; (8, 9) never
+    # seen
     node_tokens, parents, frontier = [8, 5, 9, 6, 7], [-1, 0, 0, 1, 3], [1, 2, 3, 4]
     found = draft_copy_tokens(committed[-2:], node_tokens, parents, frontier, successors)
     expected = [6, NO_COPY, 9, 8]
-    assert [copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7])] == expected  # the whole-text reading
+    assert [
+        copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7])
+    ] == expected  # the whole-text reading
     assert found == expected
     assert successors == before  # drafts leave the committed map alone
 
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
     model = tiny_model("llama", eos=None)
-    for feature_layers, num_layers, copy_input in (([-1], 1, False), ([1, 2, -1], 1, False), ([-1], 2, False), ([1, -1], 1, True)):
+    for feature_layers, num_layers, copy_input in (
+        ([-1], 1, False),
+        ([1, 2, -1], 1, False),
+        ([-1], 2, False),
+        ([1, -1], 1, True),
+    ):
         torch.manual_seed(0)
-        head = EagleHead(EagleConfig.for_target(model.config, feature_layers=feature_layers, num_layers=num_layers, copy_input=copy_input)).eval()
+        head = EagleHead(
+            EagleConfig.for_target(
+                model.config, feature_layers=feature_layers, num_layers=num_layers, copy_input=copy_input
+            )
+        ).eval()
         drafter = CheckedEagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=9))
         drafter.model = model
         segment = torch.randint(4, 97, (8,), generator=torch.Generator().manual_seed(1))
@@ -118,7 +136,9 @@ def test_a_trusted_lookup_span_keeps_the_head_at_depth_one():
     model = tiny_model("llama", eos=None)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(model.config)).eval()
-    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # "5 6 7" occurred before: lookup copies "8 9 5 6 7" (a 3-gram match)
+    tokens = torch.tensor(
+        [5, 6, 7, 8, 9, 5, 6, 7]
+    )  # "5 6 7" occurred before: lookup copies "8 9 5 6 7" (a 3-gram match)
     for trusted_ngram, head_limited in ((3, True), (4, False)):
         merged, lookup = _observed_drafters(model, head, tokens[:-1], trusted_ngram)
         with torch.no_grad():
@@ -155,7 +175,9 @@ def test_an_underconfident_head_is_trusted_more():
     from inference.drafters import MAX_RELIABILITY
 
     model = tiny_model("llama", eos=None)
-    drafter = EagleDrafter(EagleHead(EagleConfig.for_target(model.config)).eval(), model, DynamicTreeSpec(depth=2, top_k=2, nodes=3))
+    drafter = EagleDrafter(
+        EagleHead(EagleConfig.for_target(model.config)).eval(), model, DynamicTreeSpec(depth=2, top_k=2, nodes=3)
+    )
     hidden = {layer: torch.zeros(3, model.config.hidden_size) for layer in drafter.hidden_layers}
     drafter.guesses[0] = ([7, 3, 4, 5], [-1, 0, 0, 1], 1.0)  # a tree expected to get one draft accepted
     drafter.observe(hidden, torch.tensor([3, 5, 9]))  # it got two: 3, then 5 below it (9 the target's own)
@@ -167,7 +189,8 @@ def test_an_underconfident_head_is_trusted_more():
 
 
 def three_token_head():
-    """(tiny target, an EAGLE head drafting from the target tokens 5, 9 and 40 only, a prompt, a tree wider than that)"""
+    """(tiny target, an EAGLE head drafting from the target tokens 5, 9 and 40 only, a prompt, a tree wider than
+    that)"""
     model = tiny_model("llama", eos=None)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=3)).eval()
@@ -189,7 +212,9 @@ def test_a_draft_vocabulary_smaller_than_top_k_drafts_from_all_of_it():
     model, head, prompt, spec = three_token_head()
     out = generate(model, head, prompt, max_new_tokens=12, tree=spec)
     assert out.token_ids == hf_greedy(model, prompt, 12)
-    tree = first_tree(EagleDrafter(head, model, spec, context_vocab=False), model, prompt)  # the head's own vocabulary only
+    tree = first_tree(
+        EagleDrafter(head, model, spec, context_vocab=False), model, prompt
+    )  # the head's own vocabulary only
     assert set(tree.tokens[1:].tolist()) <= {5, 9, 40}
     assert int((tree.depth == 1).sum()) == 3  # every draft token at depth 1, not top_k of them
 
@@ -230,7 +255,9 @@ def test_a_batch_weighs_copied_spans_against_the_drafts():
     with torch.no_grad():
         drafted = eagle.propose_rows(texts, [8, 8])  # the head alone
         _, eagle = _batch_drafters(model, head, texts, spec)
-        unlikely = eagle.propose_rows(texts, [8, 8], [[(copying[3:], -50.0)], []])  # a span believed almost surely wrong
+        unlikely = eagle.propose_rows(
+            texts, [8, 8], [[(copying[3:], -50.0)], []]
+        )  # a span believed almost surely wrong
         merged, _ = _batch_drafters(model, head, texts, spec)
         trees = merged.propose_rows(texts, [8, 8])  # a fresh row's spans are believed right half the time
     for tree, alone in zip(unlikely, drafted):
@@ -238,8 +265,13 @@ def test_a_batch_weighs_copied_spans_against_the_drafts():
     assert torch.equal(trees[1].tokens, drafted[1].tokens)  # the row without a span drafts as alone
     assert trees[0].size == trees[1].size == spec.nodes + 1
     span = [7, 8, 9, 10, 5, 6]
-    on_span = [tuple(trees[0].tokens[trees[0].ancestors[node]].tolist()) == tuple(span[: int(trees[0].depth[node]) + 1]) for node in range(trees[0].size)]
-    assert int(trees[0].depth[torch.tensor(on_span)].max()) >= 3  # the head's random guesses are far less likely than 1/2 a token
+    on_span = [
+        tuple(trees[0].tokens[trees[0].ancestors[node]].tolist()) == tuple(span[: int(trees[0].depth[node]) + 1])
+        for node in range(trees[0].size)
+    ]
+    assert (
+        int(trees[0].depth[torch.tensor(on_span)].max()) >= 3
+    )  # the head's random guesses are far less likely than 1/2 a token
 
 
 def test_a_batch_learns_how_often_the_tokens_a_span_adds_are_right():
@@ -256,8 +288,13 @@ def test_a_batch_learns_how_often_the_tokens_a_span_adds_are_right():
     ((key, span, shared),) = merged.pending[0]
     assert key == (0, 3) and span == [8, 9, 10, 5, 6, 7] and merged.pending[1] == []
     committed = [8, 9, 44]  # the first two copied tokens right, the third wrong
-    states = [{layer: torch.zeros(count, model.config.hidden_size) for layer in merged.hidden_layers} for count in (3, 1)]
+    states = [
+        {layer: torch.zeros(count, model.config.hidden_size) for layer in merged.hidden_layers} for count in (3, 1)
+    ]
     merged.observe_rows(states, [torch.tensor(committed), torch.tensor([50])])
     held, tried = span_outcome(span[shared:], committed[shared:])
-    assert tried > 0 and merged.span_rates[0][key] == [RELIABILITY_DECAY * SPAN_PRIOR[0] + held, RELIABILITY_DECAY * SPAN_PRIOR[1] + tried]
+    assert tried > 0 and merged.span_rates[0][key] == [
+        RELIABILITY_DECAY * SPAN_PRIOR[0] + held,
+        RELIABILITY_DECAY * SPAN_PRIOR[1] + tried,
+    ]
     assert merged.pending == [[], []] and merged.span_rates[1] == {}

@@ -101,7 +101,12 @@ def test_saved_adapter_loads_here_and_in_peft(tmp_path):
     model = tiny_model("llama")
     head = early_exit(model)
     path = save_heads(head, tmp_path / "exit", model, dtype=torch.float32)
-    assert {p.name for p in path.iterdir()} == {"config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in path.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     loaded = load_heads(path, model)
     ids = torch.randint(4, 97, (1, 15))
     with torch.no_grad():
@@ -122,7 +127,11 @@ def test_untrained_exit_saves_without_an_adapter(tmp_path):
 
 def test_bad_early_exit_configs_are_named(tmp_path):
     model = tiny_model("llama")
-    for exit_layer, message in ((0, "exit_layer must be >= 1"), (2, "from 1 to 1"), (5, "from 1 to 1")):  # the tiny target has 2 layers
+    for exit_layer, message in (
+        (0, "exit_layer must be >= 1"),
+        (2, "from 1 to 1"),
+        (5, "from 1 to 1"),
+    ):  # the tiny target has 2 layers
         with pytest.raises(HeadConfigError, match=message):
             EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=exit_layer), model)
     with pytest.raises(HeadConfigError, match="lora_rank must be >= 1"):
@@ -146,6 +155,10 @@ def test_early_exit_sampling_is_in_distribution():
     model = tiny_model("llama", vocab_size=VOCAB, init=0.25, eos=None, seed=5)
     sampling = Sampling(temperature=1.0)
     exact = exact_distribution(model, sampling)
-    ours = engine_tv(model, early_exit(model, seed=2, std=0.05), sampling, exact, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=5))
+    ours = engine_tv(
+        model, early_exit(model, seed=2, std=0.05), sampling, exact, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=5)
+    )
     for n in COUNTS:
-        assert ours[n] < exact_sampler_band(exact, n), f"TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band"
+        assert ours[n] < exact_sampler_band(exact, n), (
+            f"TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band"
+        )

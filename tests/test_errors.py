@@ -42,7 +42,12 @@ PROMPT = torch.arange(4, 10)
         ([5.9, 7.2], {}, ValueError, "token ids must be integers, got torch.float32"),
         (torch.tensor([5.0, 7.0]), {}, ValueError, "token ids must be integers"),
         ([True, False], {}, ValueError, "token ids must be integers"),
-        ([["a"], [3]], {}, ValueError, "input_ids must be token ids"),  # a batch of two prompts, the first not token ids
+        (
+            [["a"], [3]],
+            {},
+            ValueError,
+            "input_ids must be token ids",
+        ),  # a batch of two prompts, the first not token ids
     ],
 )
 def test_bad_generation_input(model, prompt, kwargs, error, message):
@@ -83,7 +88,13 @@ def test_sliding_window_models_are_refused_not_silently_wrong():
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
     )
     with pytest.raises(NotImplementedError, match="sliding-window"):
         generate(MistralForCausalLM(config).eval(), None, PROMPT)
@@ -111,7 +122,10 @@ def test_a_model_whose_forward_takes_no_cache_argument_is_refused(model):
 
 
 def test_a_tokenizer_output_is_accepted_as_prompt(model):
-    assert generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids == generate(model, None, PROMPT, max_new_tokens=3).token_ids
+    assert (
+        generate(model, None, {"input_ids": PROMPT.tolist()}, max_new_tokens=3).token_ids
+        == generate(model, None, PROMPT, max_new_tokens=3).token_ids
+    )
     with pytest.raises(ValueError, match="no 'input_ids'"):
         generate(model, None, {"ids": [1, 2]})
 
@@ -134,7 +148,12 @@ def test_bad_tree_specs_are_refused(settings, message):
 
 def test_eagle_trees_too_large_to_score_are_refused(model):
     with pytest.raises(TreeError, match="candidate nodes a step"):
-        generate(model, EagleHead(EagleConfig.for_target(model.config)), PROMPT, tree=DynamicTreeSpec(depth=30, top_k=64, nodes=15))
+        generate(
+            model,
+            EagleHead(EagleConfig.for_target(model.config)),
+            PROMPT,
+            tree=DynamicTreeSpec(depth=30, top_k=64, nodes=15),
+        )
 
 
 def test_medusa_ranks_beyond_the_draft_vocabulary_are_refused(model):
@@ -146,7 +165,9 @@ def test_medusa_ranks_beyond_the_draft_vocabulary_are_refused(model):
 
 
 def test_a_drafter_class_instead_of_an_instance(model):
-    with pytest.raises(TypeError, match=r"the class PromptLookupDrafter, not a drafter: pass an instance, e.g. PromptLookupDrafter\(\)"):
+    with pytest.raises(
+        TypeError, match=r"the class PromptLookupDrafter, not a drafter: pass an instance, e.g. PromptLookupDrafter\(\)"
+    ):
         generate(model, PromptLookupDrafter, PROMPT)
     with pytest.raises(TypeError, match="the class PromptLookupDrafter"):
         generate(model, [EagleHead(EagleConfig.for_target(model.config)), PromptLookupDrafter], PROMPT)
@@ -158,7 +179,12 @@ def test_a_damaged_calibration_cache_is_measured_again(model, tmp_path, monkeypa
     monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path)
     calibrate.load_or_measure(model)
     [saved] = tmp_path.glob("*.json")
-    for damage in ('{"tokens": [1, 2', '{"tokens": [1, 2], "relative": [1.0]}', "[]", '{"tokens": [1], "relative": ["x"], "draft_level": 0}'):
+    for damage in (
+        '{"tokens": [1, 2',
+        '{"tokens": [1, 2], "relative": [1.0]}',
+        "[]",
+        '{"tokens": [1], "relative": ["x"], "draft_level": 0}',
+    ):
         saved.write_text(damage)
         with pytest.warns(UserWarning, match=f"calibration cached in {saved} is damaged"):
             cost = calibrate.load_or_measure(model)

@@ -5,7 +5,15 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, best_static_paths, chain_paths, generate, medusa_tree_spec
+from inference import (
+    DynamicTreeSpec,
+    OracleDrafter,
+    PromptLookupDrafter,
+    best_static_paths,
+    chain_paths,
+    generate,
+    medusa_tree_spec,
+)
 from inference.numerics import near_tie
 from inference.tree import PassCost, default_accuracy
 
@@ -33,7 +41,9 @@ def random_heads(model):
     torch.manual_seed(1)
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4))
     # sequential (Hydra-style) heads over a reduced draft vocabulary: the path's tokens feed the next head
-    sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4, num_layers=2, sequential=True, draft_vocab_size=48))
+    sequential = MedusaHeads(
+        MedusaConfig.for_target(model.config, num_heads=4, num_layers=2, sequential=True, draft_vocab_size=48)
+    )
     for p in [*medusa.parameters(), *sequential.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: candidates should vary
     sequential.draft_ids = torch.randperm(model.config.vocab_size)[:48].sort().values
@@ -46,7 +56,9 @@ def random_heads(model):
     return medusa.eval(), sequential.eval(), eagle, eagle3, eagle_copy
 
 
-@pytest.fixture(scope="module", params=[("llama", "sdpa", 11), ("qwen2", "eager", 12)], ids=["llama-sdpa", "qwen2-eager"])
+@pytest.fixture(
+    scope="module", params=[("llama", "sdpa", 11), ("qwen2", "eager", 12)], ids=["llama-sdpa", "qwen2-eager"]
+)
 def case(request):
     family, attn, seed = request.param  # a fixed seed: hash(str) changes from process to process
     model = tiny_model(family, attn=attn)
@@ -65,9 +77,15 @@ def drafters_for(model, prompt, reference):
         "medusa-no-draft-pays": (medusa, []),
         "medusa-dynamic": (medusa, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         # sized_static_paths' answer on a machine where nothing pays
-        "medusa-dynamic-sized": (medusa, medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0)))),
+        "medusa-dynamic-sized": (
+            medusa,
+            medusa_tree_spec(medusa, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0))),
+        ),
         "medusa-sequential": (sequential, medusa_tree_spec(sequential, nodes=10)),
-        "medusa-sequential-sized": (sequential, medusa_tree_spec(sequential, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0), 0.05))),
+        "medusa-sequential-sized": (
+            sequential,
+            medusa_tree_spec(sequential, nodes=10, cost=PassCost((1, 4, 64), (1.0, 1.1, 8.0), 0.05)),
+        ),
         "eagle-dynamic": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
         "eagle3-chain": (eagle3, DynamicTreeSpec(depth=3, top_k=1, nodes=3)),
         "eagle-copy-dynamic": (eagle_copy, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
@@ -97,7 +115,9 @@ def test_every_drafter_matches_hf_greedy(case):
                 d = first_divergence(out.token_ids, reference)
                 tie = (
                     d < min(len(out.token_ids), len(reference))
-                    and near_tie(model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], steps=FP32_TIE_STEPS)[0]
+                    and near_tie(
+                        model, prompt.tolist() + reference[:d], out.token_ids[d], reference[d], steps=FP32_TIE_STEPS
+                    )[0]
                 )
                 (near_ties if tie else mismatches).append((i, name, d, out.token_ids, reference))
             if name == "oracle-tree-30":
@@ -159,7 +179,9 @@ def test_stats_and_streamer():
         def end(self):
             received.append("end")
 
-    out = generate(model, OracleDrafter(full, chain_paths(4), 97), prompt, max_new_tokens=20, streamer=Streamer(), fallback=False)
+    out = generate(
+        model, OracleDrafter(full, chain_paths(4), 97), prompt, max_new_tokens=20, streamer=Streamer(), fallback=False
+    )
     assert received[0] == prompt.tolist() and received[-1] == "end"
     assert sum(received[1:-1], []) == reference
     assert len(received) - 2 == out.stats.target_forwards < 20  # several tokens per step

@@ -121,7 +121,9 @@ def test_the_default_call_is_exact_and_reports_its_latency():
         s = out.stats
         assert 0 < s.time_to_first_token < s.seconds and s.time_per_output_token > 0
         assert len(s.acceptance_by_depth) == len(s.drafted_to_depth) and all(0 <= a <= 1 for a in s.acceptance_by_depth)
-        assert s.drafted_to_depth == sorted(s.drafted_to_depth, reverse=True)  # a step that drafted d deep drafted d - 1
+        assert s.drafted_to_depth == sorted(
+            s.drafted_to_depth, reverse=True
+        )  # a step that drafted d deep drafted d - 1
 
 
 def test_acceptance_by_depth_counts_what_the_oracle_got_accepted():

@@ -101,7 +101,9 @@ def test_checkpoints_without_a_weights_sample_are_matched_on_the_hash(target, tm
         load_heads(path, tiny_model("llama", seed=1))
 
 
-@pytest.mark.parametrize("field, value", [("weights_sample", ["0.1", 0.2]), ("weights_sample", [float("nan")]), ("hidden_size", "64")])
+@pytest.mark.parametrize(
+    "field, value", [("weights_sample", ["0.1", 0.2]), ("weights_sample", [float("nan")]), ("hidden_size", "64")]
+)
 def test_a_tampered_fingerprint_is_named(target, tmp_path, field, value):
     path = save_heads(MedusaHeads(MedusaConfig.for_target(target.config)), tmp_path / "h", target)
     config = json.loads((path / "config.json").read_text())
@@ -158,14 +160,18 @@ def test_a_model_cast_after_its_heads_were_loaded_is_a_clear_error(tmp_path):
     save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "eagle", model)
     head = load_heads(tmp_path / "eagle", model)
     model.to(torch.bfloat16)
-    with pytest.raises(HeadConfigError, match=r"in torch.float32 on cpu but the target is in torch.bfloat16 on cpu .*heads.to\("):
+    with pytest.raises(
+        HeadConfigError, match=r"in torch.float32 on cpu but the target is in torch.bfloat16 on cpu .*heads.to\("
+    ):
         generate(model, head, torch.arange(4, 10), max_new_tokens=4)
     head.to(torch.bfloat16)
     assert len(generate(model, head, torch.arange(4, 10), max_new_tokens=4).token_ids) == 4
 
 
 def test_a_head_reading_layers_the_target_lacks_is_refused(target, tmp_path):
-    path = save_heads(EagleHead(EagleConfig.for_target(target.config, feature_layers=[1, -1])), tmp_path / "eagle", target)
+    path = save_heads(
+        EagleHead(EagleConfig.for_target(target.config, feature_layers=[1, -1])), tmp_path / "eagle", target
+    )
     config = json.loads((path / "config.json").read_text())
     config["head"]["feature_layers"] = [99, -1]
     (path / "config.json").write_text(json.dumps(config))
@@ -205,7 +211,15 @@ def test_saving_over_a_checkpoint_replaces_it_whole(target, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]  # no staging or retired directories left
 
 
-EAGLE = {"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 16}
+EAGLE = {
+    "kind": "eagle",
+    "hidden_size": 8,
+    "vocab_size": 10,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "intermediate_size": 16,
+}
 
 
 @pytest.mark.parametrize(
@@ -224,7 +238,10 @@ EAGLE = {"kind": "eagle", "hidden_size": 8, "vocab_size": 10, "num_attention_hea
         ({**EAGLE, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
         ({**EAGLE, "feature_layers": [1.5]}, "feature_layers must be a list of whole numbers"),
         ({**EAGLE, "num_layers": True}, "num_layers must be a whole number"),
-        ({"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "rank_accuracy": "high"}, "rank_accuracy must be a list of lists"),
+        (
+            {"kind": "medusa", "hidden_size": 8, "vocab_size": 10, "rank_accuracy": "high"},
+            "rank_accuracy must be a list of lists",
+        ),
     ],
 )
 def test_bad_head_configs_are_refused(data, message):

@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import DraftVocabulary, EagleConfig, EagleHead, HeadConfigError, MedusaConfig, MedusaHeads, load_heads, save_heads
+from heads import (
+    DraftVocabulary,
+    EagleConfig,
+    EagleHead,
+    HeadConfigError,
+    MedusaConfig,
+    MedusaHeads,
+    load_heads,
+    save_heads,
+)
 from heads.formats import detect_format, write_format
 from inference import DynamicTreeSpec, generate, medusa_tree_spec
 
@@ -34,10 +43,14 @@ def randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def eagle3_head(target, draft_vocab: int | None = 40, seed: int = 1) -> EagleHead:
-    config = EagleConfig.for_target(target.config, architecture="eagle3", feature_layers=AUX, draft_vocab_size=draft_vocab)
+    config = EagleConfig.for_target(
+        target.config, architecture="eagle3", feature_layers=AUX, draft_vocab_size=draft_vocab
+    )
     head = randomised(EagleHead(config), seed)
     if draft_vocab:  # a draft vocabulary in no particular order: the mapping must survive every format
-        head.draft_ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+        head.draft_ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[
+            :draft_vocab
+        ]
     return head
 
 
@@ -65,7 +78,9 @@ def test_eagle3_layout_matches_specforge(target, tmp_path):
     write_format(head, tmp_path / "e3", "eagle3", target, dtype=torch.float32)
     config = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX and config["draft_vocab_size"] == 40
-    theirs_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("eagle_config", "architectures")}, norm_output=True)
+    theirs_config = LlamaConfig(
+        **{k: v for k, v in config.items() if k not in ("eagle_config", "architectures")}, norm_output=True
+    )
     theirs = LlamaForCausalLMEagle3(theirs_config, attention_backend="sdpa").eval()
     from safetensors.torch import load_file
 
@@ -123,7 +138,10 @@ def test_eagle3_layout_matches_speculators(target, tmp_path):
     state = load_file(tmp_path / "spec" / "model.safetensors")
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
-    for name, parameter in theirs.named_parameters():  # a fresh model leaves some weights NaN: all must come from the file
+    for (
+        name,
+        parameter,
+    ) in theirs.named_parameters():  # a fresh model leaves some weights NaN: all must come from the file
         assert bool(torch.isfinite(parameter).all()) or name.startswith("verifier"), name
     captured = []
     theirs.lm_head.register_forward_hook(lambda module, args, out: captured.append(out))
@@ -137,7 +155,9 @@ def test_eagle3_layout_matches_speculators(target, tmp_path):
 def same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
-    for name in sa.keys() - {"decoder.embed_tokens.weight"}:  # a placeholder the decoder never reads (inputs are embeddings)
+    for name in sa.keys() - {
+        "decoder.embed_tokens.weight"
+    }:  # a placeholder the decoder never reads (inputs are embeddings)
         assert torch.equal(sa[name], sb[name]), name
 
 
@@ -150,7 +170,9 @@ def test_eagle3_round_trip(target, tmp_path, fmt):
     assert loaded.config.architecture == "eagle3" and loaded.config.feature_layers == AUX
     same_state(head, loaded)
     write_format(loaded, tmp_path / "again", fmt, target, dtype=torch.float32)  # the files, byte for byte
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "again" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_eagle1_round_trip(target, tmp_path):
@@ -160,7 +182,9 @@ def test_eagle1_round_trip(target, tmp_path):
     state = torch.load(tmp_path / "e1" / "pytorch_model.bin", weights_only=True)
     # SafeAILab's layout: layer 0 has no input norm, there is no final norm, fc has its bias, the embedding is a copy
     assert "layers.0.input_layernorm.weight" not in state and "norm.weight" not in state and "fc.bias" in state
-    assert state["fc.weight"].shape == (64, 128) and torch.equal(state["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert state["fc.weight"].shape == (64, 128) and torch.equal(
+        state["embed_tokens.weight"], target.get_input_embeddings().weight
+    )
     assert detect_format(tmp_path / "e1") == "eagle"
     same_state(head, load_heads(tmp_path / "e1", target))
 
@@ -175,7 +199,9 @@ def test_medusa_round_trip(target, tmp_path):
     assert loaded.config.own_lm_heads
     hidden, lm_head = torch.randn(64), DraftVocabulary(target.get_output_embeddings())
     with torch.no_grad():
-        torch.testing.assert_close(loaded.draft_logits(loaded(hidden), lm_head), heads.draft_logits(heads(hidden), lm_head))
+        torch.testing.assert_close(
+            loaded.draft_logits(loaded(hidden), lm_head), heads.draft_logits(heads(hidden), lm_head)
+        )
     # heads with a reduced draft vocabulary go out only when told to draft from every token instead
     reduced = MedusaHeads(MedusaConfig.for_target(target.config, num_heads=3, num_layers=2, draft_vocab_size=30))
     with pytest.raises(HeadConfigError, match="full_vocabulary=True"):
@@ -201,7 +227,9 @@ def test_decoding_with_published_layouts_is_exact(target, kind):
         prompt = torch.randint(0, target.config.vocab_size, (length,), generator=generator)
         out = generate(target, heads, prompt, max_new_tokens=24, tree=tree, lookup=False, fallback=False)
         assert out.token_ids == hf_greedy(target, prompt, 24)
-        assert out.stats.tree_nodes > out.stats.target_forwards  # the heads drafted: trees beyond the root were verified
+        assert (
+            out.stats.tree_nodes > out.stats.target_forwards
+        )  # the heads drafted: trees beyond the root were verified
 
 
 def test_our_own_format_still_loads(target, tmp_path):
@@ -243,8 +271,8 @@ def test_bad_files_are_refused_clearly(target, tmp_path):
 
 
 def test_convert_command_round_trips(target, tmp_path, capsys):
-    """python -m heads.convert: published -> ours -> another published format -> the first, the same tensors."""
-    from heads.convert import main
+    """python -m inference.convert: published -> ours -> another published format -> the first, the same tensors."""
+    from inference.convert import main
 
     target.save_pretrained(tmp_path / "model")
     head = eagle3_head(target, seed=15)
@@ -255,6 +283,8 @@ def test_convert_command_round_trips(target, tmp_path, capsys):
     main([str(tmp_path / "spec"), str(tmp_path / "back"), "--to", "eagle3", *model])
     assert "(eagle3) ->" in capsys.readouterr().out
     assert detect_format(tmp_path / "ours") == "ours" and detect_format(tmp_path / "spec") == "speculators"
-    assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (tmp_path / "back" / "model.safetensors").read_bytes()
+    assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (
+        tmp_path / "back" / "model.safetensors"
+    ).read_bytes()
     with pytest.raises(HeadConfigError, match="not an empty folder"):
         main([str(tmp_path / "e3"), str(tmp_path / "back"), "--to", "eagle3", *model])

@@ -53,7 +53,12 @@ def tv(counts, exact):
 
 def exact_sampler_band(exact, n, trials=200):
     g = torch.Generator().manual_seed(0)
-    tvs = torch.tensor([tv(torch.bincount(torch.multinomial(exact, n, True, generator=g), minlength=len(exact)).double(), exact) for _ in range(trials)])
+    tvs = torch.tensor(
+        [
+            tv(torch.bincount(torch.multinomial(exact, n, True, generator=g), minlength=len(exact)).double(), exact)
+            for _ in range(trials)
+        ]
+    )
     return tvs.mean().item() + 4 * tvs.std().item()
 
 
@@ -101,7 +106,9 @@ class RepeatedSiblings(TokenDrafter):
     p(z) (2 - p(least) - p(z)) instead of p(z)."""
 
     def __init__(self, model):
-        contexts = torch.cat([PROMPT.expand(VOCAB * VOCAB, -1), torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))], dim=1)
+        contexts = torch.cat(
+            [PROMPT.expand(VOCAB * VOCAB, -1), torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))], dim=1
+        )
         with torch.no_grad():
             order = model(contexts).logits[:, -1].argsort(dim=-1)  # [first token * VOCAB + a, tokens by likelihood]
         self.children = order[:, [0, -1]].reshape(VOCAB, VOCAB, 2)
@@ -112,7 +119,9 @@ class RepeatedSiblings(TokenDrafter):
         a = torch.arange(VOCAB)
         children = self.children[tokens[-1]]  # [a, (least likely, likeliest)]
         ids = torch.cat([tokens[-1:], a, a, children[:, 0], children[:, 1]])
-        parents = torch.cat([torch.tensor([-1]), torch.zeros(2 * VOCAB, dtype=torch.long), torch.arange(1, 2 * VOCAB + 1)])
+        parents = torch.cat(
+            [torch.tensor([-1]), torch.zeros(2 * VOCAB, dtype=torch.long), torch.arange(1, 2 * VOCAB + 1)]
+        )
         return Tree.from_parents(ids, parents).truncate(max_depth)
 
 
@@ -128,7 +137,9 @@ def test_siblings_that_repeat_a_token_are_sampled_exactly(setup, monkeypatch):
     ours = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[max(COUNTS)]
     assert ours < band, f"TV {ours:.4f} is outside an exact sampler's band {band:.4f}"
     monkeypatch.setattr(engine, "verifiable_tree", lambda tree, root, vocab, max_depth, name: tree.truncate(max_depth))
-    as_proposed = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[max(COUNTS)]
+    as_proposed = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[
+        max(COUNTS)
+    ]
     assert as_proposed > band, f"repeated siblings went undetected: TV {as_proposed:.4f}"
     print(f"\nrepeated siblings: band {band:.4f}, engine {ours:.4f}, verified as proposed {as_proposed:.4f}")
 
@@ -140,7 +151,9 @@ def check_lossless_and_lossy_detected(model, heads, sampling, monkeypatch, what:
     bands = {n: exact_sampler_band(exact, n) for n in COUNTS}
     ours = engine_tv(model, heads, sampling, exact)
     for n in COUNTS:
-        assert ours[n] < bands[n], f"{what}TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
+        assert ours[n] < bands[n], (
+            f"{what}TV {ours[n]:.4f} at {n} samples is outside an exact sampler's band {bands[n]:.4f}"
+        )
     monkeypatch.setattr(engine, "accept", typical_acceptance)
     lossy = engine_tv(model, heads, sampling, exact)
     assert lossy[max(COUNTS)] > bands[max(COUNTS)], f"{what}the lossy rule went undetected: TV {lossy[max(COUNTS)]:.4f}"
@@ -148,7 +161,9 @@ def check_lossless_and_lossy_detected(model, heads, sampling, monkeypatch, what:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=1.5, top_k=4, top_p=0.95)], ids=["t1", "t1.5-k4-p0.95"])
+@pytest.mark.parametrize(
+    "sampling", [Sampling(temperature=1.0), Sampling(temperature=1.5, top_k=4, top_p=0.95)], ids=["t1", "t1.5-k4-p0.95"]
+)
 def test_engine_samples_the_exact_distribution_and_a_lossy_rule_does_not(setup, sampling, monkeypatch):
     model, heads = setup
     check_lossless_and_lossy_detected(model, heads, sampling, monkeypatch)

@@ -16,7 +16,9 @@ HIDDEN, VOCAB, HEADS = 8, 50, 3
 
 def random_sequential_heads(hidden=HIDDEN, vocab=VOCAB, heads=HEADS, **extra):
     torch.manual_seed(0)
-    medusa = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=2, sequential=True, **extra))
+    medusa = MedusaHeads(
+        MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=heads, num_layers=2, sequential=True, **extra)
+    )
     for p in medusa.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return medusa.eval()
@@ -32,12 +34,18 @@ def test_the_loss_feeds_each_position_the_text_tokens_after_it():
     """Head k at position t reads tokens t + 1 .. t + k + 1, as the drafter reads a path from the root."""
     length = 20
     heads = Recording(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=HEADS, sequential=True))
-    hidden = torch.arange(length, dtype=torch.float32)[None, :, None].expand(1, length, HIDDEN).contiguous()  # position t holds t
+    hidden = (
+        torch.arange(length, dtype=torch.float32)[None, :, None].expand(1, length, HIDDEN).contiguous()
+    )  # position t holds t
     embed = torch.nn.Embedding(VOCAB, HIDDEN)
-    embed.weight.data = torch.arange(VOCAB, dtype=torch.float32)[:, None].expand(VOCAB, HIDDEN).contiguous()  # token i embeds as i
+    embed.weight.data = (
+        torch.arange(VOCAB, dtype=torch.float32)[:, None].expand(VOCAB, HIDDEN).contiguous()
+    )  # token i embeds as i
     input_ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    medusa_loss(heads, DraftVocabulary(lm_head), hidden, input_ids, torch.ones(1, length), 0.8, 64, embed=embed, num_heads=HEADS)
+    medusa_loss(
+        heads, DraftVocabulary(lm_head), hidden, input_ids, torch.ones(1, length), 0.8, 64, embed=embed, num_heads=HEADS
+    )
     positions, tokens = heads.seen[0][:, 0].long(), heads.seen[1][..., 0].long()
     assert len(positions) == length - 2  # every position with a label for head 0
     for t, read in zip(positions.tolist(), tokens.tolist()):

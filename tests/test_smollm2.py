@@ -32,12 +32,19 @@ def dev_prompts(shared_dir, tokenizer):
 
 
 def hf_greedy(model, prompt):
-    out = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False, max_new_tokens=NEW_TOKENS)
+    out = model.generate(
+        prompt[None],
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+    )
     return out[0, len(prompt) :].tolist()
 
 
 def oracle(model, prompt, reference):
-    return OracleDrafter(torch.cat([prompt, torch.tensor(reference, dtype=torch.long)]), ORACLE_TREE, model.config.vocab_size)
+    return OracleDrafter(
+        torch.cat([prompt, torch.tensor(reference, dtype=torch.long)]), ORACLE_TREE, model.config.vocab_size
+    )
 
 
 def test_float32_is_identical_to_hf_greedy(shared_dir):
@@ -51,7 +58,9 @@ def test_float32_is_identical_to_hf_greedy(shared_dir):
         if out.token_ids != reference:
             mismatches.append((i, "oracle tree"))
         if i < 5:  # real drafters too: untrained Medusa heads merged with prompt lookup
-            out = generate(model, [medusa, PromptLookupDrafter()], prompt, max_new_tokens=NEW_TOKENS, tree=[(0,), (1,), (0, 0)])
+            out = generate(
+                model, [medusa, PromptLookupDrafter()], prompt, max_new_tokens=NEW_TOKENS, tree=[(0,), (1,), (0, 0)]
+            )
             if out.token_ids != reference:
                 mismatches.append((i, "medusa+lookup"))
     assert not mismatches
@@ -84,7 +93,9 @@ def test_bfloat16_diverges_only_at_proven_near_ties(shared_dir):
         refuted += not near_tie(model, prompt.tolist(), first[0], first[1])
     not_ties = [d for d, ok in diverged if not ok]
     assert not not_ties, f"divergences that are not near-ties at positions {not_ties}"
-    assert refuted >= len(diverged) // 2, f"the near-tie proof accepted {len(diverged) - refuted} confident first tokens"
+    assert refuted >= len(diverged) // 2, (
+        f"the near-tie proof accepted {len(diverged) - refuted} confident first tokens"
+    )
     print(f"\nbf16: {identical}/{PROMPTS} identical; divergences at {[d for d, _ in diverged]}, all proven near-ties")
 
 

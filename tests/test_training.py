@@ -44,7 +44,15 @@ def mean_tau(model, tokenizer, head, prompts):
     taus = []
     for prompt in prompts:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        out = generate(model, head, ids, max_new_tokens=32, tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8), lookup=False, fallback=False)
+        out = generate(
+            model,
+            head,
+            ids,
+            max_new_tokens=32,
+            tree=DynamicTreeSpec(depth=4, top_k=2, nodes=8),
+            lookup=False,
+            fallback=False,
+        )
         taus.append(out.stats.mean_accepted)
     return sum(taus) / len(taus)
 
@@ -69,12 +77,20 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
         )
     )
     records = read_corpus(corpus)
-    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), corpus=str(corpus), eval_prompts=4, dataset_responses=8, cache_dir=str(tmp_path / "cache"))
+    data = DataConfig(
+        path=str(tiny_chat / "prompts.jsonl"),
+        corpus=str(corpus),
+        eval_prompts=4,
+        dataset_responses=8,
+        cache_dir=str(tmp_path / "cache"),
+    )
     train_set, eval_set = build_datasets(data, tokenizer, model, "tiny", seed=0)
     # held out: the corpus's first four answers, which are the target's own greedy continuations
     for record, row in zip(records[:4], eval_set):
         prompt = record["prompt_ids"]
-        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(prompt) :].tolist()
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)[
+            0, len(prompt) :
+        ].tolist()
         assert row["input_ids"] == prompt + (greedy[: greedy.index(2) + 1] if 2 in greedy else greedy)
     assert len(eval_set) == 4
     # training: the other 8 corpus answers and 8 dataset answers, to 16 different prompts, none of them held out
@@ -85,14 +101,20 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
     assert sum(tuple(row["input_ids"]) in corpus_rows for row in train_set) == 8
     # a prefix of the corpus, for scaling curves; more than it holds is a clear error
     few, _ = build_datasets(replace(data, corpus_answers=3, dataset_responses=0), tokenizer, model, "tiny", seed=0)
-    assert sorted(map(tuple, few["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[4:7])
+    assert sorted(map(tuple, few["input_ids"])) == sorted(
+        tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[4:7]
+    )
     # at most N answers of each prompt source, the first in corpus order
-    capped, _ = build_datasets(replace(data, corpus_per_source=1, dataset_responses=0), tokenizer, model, "tiny", seed=0)
+    capped, _ = build_datasets(
+        replace(data, corpus_per_source=1, dataset_responses=0), tokenizer, model, "tiny", seed=0
+    )
     first_of_source = {}
     for r in records[4:]:
         first_of_source.setdefault(r["source"], r)
     assert len(first_of_source) > 1
-    assert sorted(map(tuple, capped["input_ids"])) == sorted(tuple(r["prompt_ids"] + r["answer_ids"]) for r in first_of_source.values())
+    assert sorted(map(tuple, capped["input_ids"])) == sorted(
+        tuple(r["prompt_ids"] + r["answer_ids"]) for r in first_of_source.values()
+    )
     with pytest.raises(ValueError, match="holds 8 answers besides the 4 held out"):
         build_datasets(replace(data, corpus_answers=9), tokenizer, model, "tiny", seed=0)
     # the caches are keyed on the file's content: a new modification time (a fresh copy) reuses them
@@ -110,7 +132,11 @@ def test_another_models_corpus_is_refused(tiny_chat, tmp_path):
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
     other = AutoModelForCausalLM.from_config(model.config)  # the same shapes, other weights
-    data = DataConfig(path=str(tiny_chat / "prompts.jsonl"), corpus=str(tiny_chat / "distill" / "model-float32"), cache_dir=str(tmp_path))
+    data = DataConfig(
+        path=str(tiny_chat / "prompts.jsonl"),
+        corpus=str(tiny_chat / "distill" / "model-float32"),
+        cache_dir=str(tmp_path),
+    )
     with pytest.raises(ValueError, match="another model's answers"):
         build_datasets(data, tokenizer, other, "other", seed=0)
     with pytest.raises(ValueError, match="not a distilled corpus"):
@@ -126,7 +152,10 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     trained = load_heads(tmp_path / "eagle", model)
     untrained = EagleHead(EagleConfig.for_target(model.config)).eval()
     held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
-    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    tau_trained, tau_untrained = (
+        mean_tau(model, tokenizer, trained, held_out),
+        mean_tau(model, tokenizer, untrained, held_out),
+    )
     assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
     saved = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert saved["training"]["steps"] == 150 and saved["training"]["config"]["eagle_unroll"] == 2
@@ -134,10 +163,17 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
 
 
 def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path, capsys):
-    """A head trained in EAGLE-3's serving layout learns, and leaves in speculators' format (what vLLM loads) unchanged."""
+    """A head trained in EAGLE-3's serving layout learns, and leaves in speculators' format (what vLLM loads)
+    unchanged."""
     from heads.formats import write_format
 
-    options = {"head.architecture": "eagle3", "head.feature_layers": "[0, 1]", "head.draft_vocab_size": 24, "max_steps": 60, "eval_every": 30}
+    options = {
+        "head.architecture": "eagle3",
+        "head.feature_layers": "[0, 1]",
+        "head.draft_vocab_size": 24,
+        "max_steps": 60,
+        "eval_every": 30,
+    }
     with pytest.raises(SystemExit):  # EAGLE-3 has no target feature to regress on: the default weight is refused
         train(recipe(tiny_chat, tmp_path / "refused", **options))
     assert "set eagle_regression_weight: 0" in capsys.readouterr().err
@@ -157,7 +193,13 @@ def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path, capsy
 
 
 def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_path):
-    result = train(recipe(tiny_chat, tmp_path / "exit", **{"head.kind": "early_exit", "head.exit_layer": 1, "head.lora_rank": 8, "learning_rate": 1e-2}))
+    result = train(
+        recipe(
+            tiny_chat,
+            tmp_path / "exit",
+            **{"head.kind": "early_exit", "head.exit_layer": 1, "head.lora_rank": 8, "learning_rate": 1e-2},
+        )
+    )
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"] and last["eval/agree/depth1"] > first["eval/agree/depth1"]
     model, tokenizer = load_target(tiny_chat / "model")
@@ -165,14 +207,23 @@ def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_
     assert isinstance(trained, EarlyExitHead) and (tmp_path / "exit" / "adapter_model.safetensors").is_file()
     untrained = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
     held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
-    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    tau_trained, tau_untrained = (
+        mean_tau(model, tokenizer, trained, held_out),
+        mean_tau(model, tokenizer, untrained, held_out),
+    )
     assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
     # hard labels (the corpus text, the target's own greedy tokens): no pass of the whole target, and it learns too
     hard = train(
         recipe(
             tiny_chat,
             tmp_path / "exit-hard",
-            **{"head.kind": "early_exit", "head.exit_layer": 1, "early_exit_soft_labels": False, "max_steps": 60, "eval_every": 20},
+            **{
+                "head.kind": "early_exit",
+                "head.exit_layer": 1,
+                "early_exit_soft_labels": False,
+                "max_steps": 60,
+                "eval_every": 20,
+            },
         )
     )
     assert hard["history"][-1]["eval/loss"] < hard["history"][0]["eval/loss"]
@@ -204,12 +255,21 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     assert heads.config.num_heads == 3 and heads.draft_ids.shape == (24,)
     accuracy = heads.config.rank_accuracy  # measured at the end, it shapes the default tree
     assert len(accuracy) == 3 and all(len(row) == 4 for row in accuracy)
-    assert accuracy == [[round(result["history"][-1].get(f"eval/{m}/depth{d}", 0.0), 4) for m in ("top1", "rank2", "rank3", "rank4")] for d in (2, 3, 4)]
+    assert accuracy == [
+        [round(result["history"][-1].get(f"eval/{m}/depth{d}", 0.0), 4) for m in ("top1", "rank2", "rank3", "rank4")]
+        for d in (2, 3, 4)
+    ]
     assert tokenizer.eos_token_id in heads.draft_ids.tolist()  # every answer ends with it: among the most frequent
 
 
 def test_sequential_medusa_heads_train_and_draft_better(tiny_chat, tmp_path):
-    extra = {"head.kind": "medusa", "head.sequential": "true", "head.num_heads": 4, "head.num_layers": 2, "medusa_soft_labels": "true"}
+    extra = {
+        "head.kind": "medusa",
+        "head.sequential": "true",
+        "head.num_heads": 4,
+        "head.num_layers": 2,
+        "medusa_soft_labels": "true",
+    }
     result = train(recipe(tiny_chat, tmp_path / "sequential", **extra))
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"]
@@ -219,7 +279,10 @@ def test_sequential_medusa_heads_train_and_draft_better(tiny_chat, tmp_path):
     assert trained.config.sequential and trained.config.num_heads == 4
     untrained = MedusaHeads(replace(trained.config, rank_accuracy=None)).eval()
     held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
-    tau_trained, tau_untrained = mean_tau(model, tokenizer, trained, held_out), mean_tau(model, tokenizer, untrained, held_out)
+    tau_trained, tau_untrained = (
+        mean_tau(model, tokenizer, trained, held_out),
+        mean_tau(model, tokenizer, untrained, held_out),
+    )
     assert tau_trained > tau_untrained + 0.1, (tau_trained, tau_untrained)
 
 
@@ -230,7 +293,9 @@ def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():
     torch.manual_seed(0)
     lm_head = torch.nn.Linear(8, 10, bias=False)
     hidden = 50 * torch.randn(1, 12, 8)  # sharp: the target's distribution is all but one-hot
-    input_ids = torch.cat([torch.zeros(1, 1, dtype=torch.long), lm_head(hidden).argmax(-1)[:, :-1]], dim=1)  # its greedy text
+    input_ids = torch.cat(
+        [torch.zeros(1, 1, dtype=torch.long), lm_head(hidden).argmax(-1)[:, :-1]], dim=1
+    )  # its greedy text
     heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=10, num_heads=2))
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -240,7 +305,9 @@ def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():
     # on greedy text each label is the argmax of the target's distribution one position earlier; a teacher
     # read at any other position would disagree with the hard labels
     torch.testing.assert_close(soft, hard, rtol=0.01, atol=0)
-    other_labels, _ = medusa_loss(heads, DraftVocabulary(lm_head), hidden, torch.randint(0, 10, (1, 12)), torch.ones(1, 12), 0.8, 64)
+    other_labels, _ = medusa_loss(
+        heads, DraftVocabulary(lm_head), hidden, torch.randint(0, 10, (1, 12)), torch.ones(1, 12), 0.8, 64
+    )
     assert abs(other_labels.item() - soft.item()) > 0.1 * soft.item()
 
 
@@ -290,10 +357,14 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
     with torch.no_grad():
         # bf16 checkpoints: the same head up to one bf16 rounding of its weights
         torch.testing.assert_close(
-            fused(torch.cat([low, last], -1), tokens, position_ids=positions), source.eval()(last, tokens, position_ids=positions), rtol=0.02, atol=0.02
+            fused(torch.cat([low, last], -1), tokens, position_ids=positions),
+            source.eval()(last, tokens, position_ids=positions),
+            rtol=0.02,
+            atol=0.02,
         )
         assert not torch.allclose(
-            fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions), fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions)
+            fused(torch.cat([low + 1, last], -1), tokens, position_ids=positions),
+            fused(torch.cat([low, last + 1], -1), tokens, position_ids=positions),
         )
         # raw residual-stream layers are RMS-normalised before fusing: their scale does not matter, the final one's does
         torch.nn.init.normal_(fused.fuse.weight, std=0.1)
@@ -327,13 +398,19 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
     with torch.no_grad():
         for copies in (torch.zeros(1, 5, 64), torch.randn(1, 5, 64)):
             torch.testing.assert_close(
-                copying(torch.cat([low, last], -1), tokens, copies, position_ids=positions), source(last, tokens, position_ids=positions), rtol=0.02, atol=0.02
+                copying(torch.cat([low, last], -1), tokens, copies, position_ids=positions),
+                source(last, tokens, position_ids=positions),
+                rtol=0.02,
+                atol=0.02,
             )
         with pytest.raises(ValueError, match="needs copy_embedding"):
             copying(torch.cat([low, last], -1), tokens, position_ids=positions)
 
     for extra, message in [
-        ({"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"}, "may only grow from the final layer alone ([-1]) to several layers that include it"),
+        (
+            {"head.draft_vocab_size": 16, "head.feature_layers": "[0,1]"},
+            "may only grow from the final layer alone ([-1]) to several layers that include it",
+        ),
         ({"head.draft_vocab_size": 8}, "does not fit this recipe's head"),
         ({"head.kind": "medusa"}, "holds eagle heads, but this recipe trains medusa heads"),
     ]:
@@ -348,7 +425,9 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
 
 def run_script(args, env_extra=None, **kwargs):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env_extra or {})}
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
 
 
 def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
@@ -420,7 +499,10 @@ def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):
         (["--mixed_precision", "fp32"], "mixed_precision must be no, bf16, fp16 or auto"),
         (["--target_dtype", "bf32"], "target_dtype must be one of"),
         (["--medusa_soft_labels", "maybe"], "medusa_soft_labels must be true or false"),
-        (["--keep_checkpoints", "0"], "keep_checkpoints must be >= 1"),  # pruning to the newest 0 (or -1) deleted each checkpoint
+        (
+            ["--keep_checkpoints", "0"],
+            "keep_checkpoints must be >= 1",
+        ),  # pruning to the newest 0 (or -1) deleted each checkpoint
         (["--keep_checkpoints", "-1"], "keep_checkpoints must be >= 1"),
     ],
 )

@@ -52,7 +52,9 @@ def make_folder_with_files(path: Path) -> None:
     ],
     ids=["folder-with-files", "file", "under-a-file", "state-dir-is-a-file", "state-dir-under-a-file"],
 )
-def test_output_that_would_destroy_files_is_refused_before_any_work(tiny_chat, tmp_path, capsys, setup, output, state, message):
+def test_output_that_would_destroy_files_is_refused_before_any_work(
+    tiny_chat, tmp_path, capsys, setup, output, state, message
+):
     setup(tmp_path / "d")
     before = sorted((p.relative_to(tmp_path), p.is_file() and p.read_text()) for p in tmp_path.rglob("*"))
     extra = {"data.cache_dir": tmp_path / "cache"} | ({"state_dir": tmp_path / state} if state else {})
@@ -149,6 +151,13 @@ def test_a_broken_data_file_is_a_clear_error_from_the_command_line(tiny_chat, tm
     lines = (tiny_chat / "prompts.jsonl").read_text().splitlines()
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines[:5] + ['{"prompt": "cut off'] + lines[5:]) + "\n")
     with pytest.raises(SystemExit) as exit_info:
-        train(recipe(tiny_chat, tmp_path / "heads", max_steps=1, **{"data.path": tmp_path / "prompts.jsonl", "data.cache_dir": tmp_path / "cache"}))
+        train(
+            recipe(
+                tiny_chat,
+                tmp_path / "heads",
+                max_steps=1,
+                **{"data.path": tmp_path / "prompts.jsonl", "data.cache_dir": tmp_path / "cache"},
+            )
+        )
     assert exit_info.value.code == 2
     assert f"{tmp_path / 'prompts.jsonl'}, line 6: not valid JSON" in capsys.readouterr().err

@@ -211,7 +211,9 @@ def test_what_every_step_pays_weighs_for_larger_trees():
     (the head reading what the last step committed): it spreads that cost over more tokens."""
     doubtful = torch.log(torch.tensor([0.3]))
     assert best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35)), 0.0, limit=1) == 0  # 1.3 / 1.35 < 1
-    assert best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35), draft_step=1.0), 0.0, limit=1) == 1  # 1.3 / 2.35 > 1 / 2
+    assert (
+        best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35), draft_step=1.0), 0.0, limit=1) == 1
+    )  # 1.3 / 2.35 > 1 / 2
 
 
 def test_a_batch_prices_one_width_for_all_its_rows():
@@ -244,7 +246,9 @@ def test_sized_static_paths_keep_only_what_pays():
     assert sized_static_paths(accuracy, free, 12) == best  # verification is free: every path pays
     steep = PassCost((1, 2, 64), (1.0, 2.0, 64.0))
     assert sized_static_paths(accuracy, steep, 12) == []  # a second token doubles the pass: plain decoding is faster
-    assert sized_static_paths(accuracy, PassCost((1, 2, 64), (1.0, 1.5, 64.0)), 12) == best[:1]  # 1.6 tokens for 1.5 passes
+    assert (
+        sized_static_paths(accuracy, PassCost((1, 2, 64), (1.0, 1.5, 64.0)), 12) == best[:1]
+    )  # 1.6 tokens for 1.5 passes
     moderate = PassCost((1, 64), (1.0, 1.0 + 63 * 0.1))  # every verified token adds a tenth of a pass
     sized = sized_static_paths(accuracy, moderate, 12)
     assert sized == best[: len(sized)] and 1 < len(sized) < 12
@@ -265,12 +269,16 @@ def test_likeliest_paths_go_deep_when_sure_and_wide_when_hesitant():
 @settings(max_examples=100, deadline=None)
 @given(random_trees(20), st.lists(st.integers(0, 5), min_size=1, max_size=6), st.floats(0.01, 1.0), st.data())
 def test_a_grafted_span_adds_its_path_and_keeps_the_pool_ancestor_closed(pool, span, rate, data):
-    tree = merge_trees(Tree.chain(pool[0][:1]), Tree.from_parents(pool[0], pool[1]))  # siblings' tokens distinct, as a head's are
+    tree = merge_trees(
+        Tree.chain(pool[0][:1]), Tree.from_parents(pool[0], pool[1])
+    )  # siblings' tokens distinct, as a head's are
     steps = torch.tensor(data.draw(st.lists(st.floats(0.01, 1.0), min_size=tree.size, max_size=tree.size))).log()
     scores = torch.zeros(tree.size)
     for node in range(1, tree.size):
         scores[node] = scores[tree.parents[node]] + steps[node]
-    grown, held = graft_span(tree.tokens, tree.parents, tree.depth, tree.ancestors, scores, torch.tensor(span), math.log(rate))
+    grown, held = graft_span(
+        tree.tokens, tree.parents, tree.depth, tree.ancestors, scores, torch.tensor(span), math.log(rate)
+    )
     tokens, parents, depth, ancestors, new_scores = grown
     check_parents(parents)
     rebuilt = Tree.from_parents(tokens, parents)
@@ -281,7 +289,9 @@ def test_a_grafted_span_adds_its_path_and_keeps_the_pool_ancestor_closed(pool, s
     assert held == sum(path in root_to_node_paths(tree) for path in span_paths)
     assert torch.equal(new_scores[: tree.size], scores)  # the pool's own nodes keep their scores
     added = new_scores[tree.size :] - new_scores[parents[tree.size :]]
-    torch.testing.assert_close(added, torch.full_like(added, math.log(rate)))  # each added token: log_rate below its parent
+    torch.testing.assert_close(
+        added, torch.full_like(added, math.log(rate))
+    )  # each added token: log_rate below its parent
     for count in range(tokens.shape[0]):
         keep = set(select_best_nodes(new_scores, depth, count).tolist())
         assert all(int(parents[node]) in keep for node in keep if node)

@@ -51,7 +51,9 @@ class DataConfig:
     prompt_field: str = "prompt"  # a user message ...
     messages_field: str | None = None  # ... or a whole conversation [{"role", "content"}, ...]
     response_field: str | None = "response"  # the dataset's own answer, used as fixed text when present
-    dataset_responses: int | None = None  # use at most N of those answers (seeded order, balanced with balance_field); None = all
+    dataset_responses: int | None = (
+        None  # use at most N of those answers (seeded order, balanced with balance_field); None = all
+    )
     max_prompts: int | None = None  # use the first N prompts (after the held-out ones)
     balance_field: str | None = None  # e.g. "source": take prompts round-robin across its values, not in proportion
     eval_prompts: int = 64  # held out: the corpus's first N first turns (balanced), or the file's first N prompts
@@ -67,9 +69,13 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    head: dict[str, Any] = field(default_factory=lambda: {"kind": "eagle"})  # kind (medusa | eagle | early_exit) + options of heads.*Config
+    head: dict[str, Any] = field(
+        default_factory=lambda: {"kind": "eagle"}
+    )  # kind (medusa | eagle | early_exit) + options of heads.*Config
     model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
-    target_dtype: str = "float32"  # the frozen target's dtype (features, self-distillation); auto: bfloat16 where faster
+    target_dtype: str = (
+        "float32"  # the frozen target's dtype (features, self-distillation); auto: bfloat16 where faster
+    )
     data: DataConfig = field(default_factory=DataConfig)
     output_dir: str = "outputs/heads"  # the trained heads (config.json + model.safetensors)
     init_from: str | None = None  # a head checkpoint to start from (its weights and draft vocabulary); see warm_start
@@ -85,7 +91,9 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # cosine | linear | constant
     max_grad_norm: float = 1.0
     group_by_length: bool = True  # batches of similar length (transformers' LengthGroupedSampler): less padding
-    cache_features: bool = False  # compute the target's hidden states once, on disk (training/features.py), not every step
+    cache_features: bool = (
+        False  # compute the target's hidden states once, on disk (training/features.py), not every step
+    )
     mixed_precision: str = "no"  # no | bf16 | fp16 (as accelerate takes it) | auto: bf16 where faster
     eval_every: int = 200
     save_every: int = 200
@@ -99,7 +107,9 @@ class TrainConfig:
     eagle_ce_weight: float = 0.1  # soft cross-entropy against the target's own distribution
     eagle_noise: float = 0.2  # uniform feature noise, +-noise/2 (EAGLE's augmentation)
     eagle_unroll: int = 1  # EAGLE-3 training-time test: also train on the head's own fed-back features
-    early_exit_soft_labels: bool = True  # against the target's distribution (a pass of the whole target a step), not the text's next token
+    early_exit_soft_labels: bool = (
+        True  # against the target's distribution (a pass of the whole target a step), not the text's next token
+    )
     loss_tokens: int = 1024  # positions per micro-batch that go through the vocabulary projection
 
     def __post_init__(self):
@@ -112,8 +122,8 @@ class TrainConfig:
             raise ConfigError(f"head must be a mapping with kind 'medusa', 'eagle' or 'early_exit', got {self.head!r}")
         if self.head.get("architecture") == "eagle3" and self.eagle_regression_weight:
             raise ConfigError(
-                "head.architecture eagle3 predicts no target feature to regress on (its output feeds its own norm and lm_head, as "
-                "EAGLE-3's does): set eagle_regression_weight: 0"
+                "head.architecture eagle3 predicts no target feature to regress on (its output feeds its own norm and "
+                "lm_head, as EAGLE-3's does): set eagle_regression_weight: 0"
             )
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ConfigError(f"lr_schedule must be cosine, linear or constant, got {self.lr_schedule!r}")
@@ -122,14 +132,24 @@ class TrainConfig:
         if self.mixed_precision not in ("no", "bf16", "fp16", "auto"):
             raise ConfigError(f"mixed_precision must be no, bf16, fp16 or auto, got {self.mixed_precision!r}")
         if self.target_dtype not in inference.target.DTYPES and self.target_dtype != "auto":
-            raise ConfigError(f"target_dtype must be one of {sorted(inference.target.DTYPES)} or auto, got {self.target_dtype!r}")
+            raise ConfigError(
+                f"target_dtype must be one of {sorted(inference.target.DTYPES)} or auto, got {self.target_dtype!r}"
+            )
         if self.report_to not in ("none", "wandb", "tensorboard", "all"):
             raise ConfigError(f"report_to must be none, wandb, tensorboard or all, got {self.report_to!r}")
         for name in ("cache_features", "group_by_length", "medusa_soft_labels", "early_exit_soft_labels"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         # keep_checkpoints too: the pruning keeps the newest N, and N < 1 would delete each checkpoint as it is written
-        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_every", "save_every", "keep_checkpoints", "eagle_unroll"):
+        for name in (
+            "max_steps",
+            "batch_size",
+            "gradient_accumulation_steps",
+            "eval_every",
+            "save_every",
+            "keep_checkpoints",
+            "eagle_unroll",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 from heads.config import TargetFingerprint
-from heads.io import written_atomically
+from heads.files import written_atomically
 
 from .config import ConfigError
 
 MANIFEST_KEYS = ("dtype", "max_new_tokens", "decoding", "chat_template_sha256", "prompts", "follow_ups")
-LATER_KEYS = ("self_prompting",)  # settings added after corpora were written: an older corpus.json records them on first use
+LATER_KEYS = (
+    "self_prompting",
+)  # settings added after corpora were written: an older corpus.json records them on first use
 
 
 def check_manifest(directory: Path, expected: dict) -> None:
@@ -36,7 +38,9 @@ def check_manifest(directory: Path, expected: dict) -> None:
             )
     if any(key not in found for key in LATER_KEYS):
         with written_atomically(path) as staging:
-            staging.write_text(json.dumps({**found, **{k: expected[k] for k in LATER_KEYS if k not in found}}, indent=1) + "\n")
+            staging.write_text(
+                json.dumps({**found, **{k: expected[k] for k in LATER_KEYS if k not in found}}, indent=1) + "\n"
+            )
 
 
 def read_corpus(directory: str | Path) -> list[dict]:
@@ -51,7 +55,10 @@ def read_corpus_shard(path: Path) -> list[dict]:
 
 def write_shard(path: Path, records: list[dict]) -> None:
     with written_atomically(path) as staging:  # a shard is either complete or absent
-        with open(staging, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed:  # same answers, same bytes
+        with (
+            open(staging, "wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
+        ):  # same answers, same bytes
             packed.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
 
 
@@ -59,11 +66,18 @@ def corpus_records(directory: str | Path, target) -> list[dict]:
     """A corpus's records for training `target`'s heads; refused when they are another model's answers."""
     manifest = Path(directory) / "corpus.json"
     if not manifest.is_file():
-        raise ConfigError(f"data.corpus {directory} is not a distilled corpus (no corpus.json); write one with `python -m training.distill`")
+        raise ConfigError(
+            f"data.corpus {directory} is not a distilled corpus (no corpus.json); write one with `python -m "
+            "training.distill`"
+        )
     mismatch = TargetFingerprint(**json.loads(manifest.read_text())["target"]).mismatch(TargetFingerprint.of(target))
     if mismatch:
-        raise ConfigError(f"data.corpus {directory} holds another model's answers ({mismatch}); distill a corpus for this target")
+        raise ConfigError(
+            f"data.corpus {directory} holds another model's answers ({mismatch}); distill a corpus for this target"
+        )
     records = read_corpus(directory)
     if not records:
-        raise ConfigError(f"data.corpus {directory} holds no answers yet; write some with `python -m training.distill --answers N`")
+        raise ConfigError(
+            f"data.corpus {directory} holds no answers yet; write some with `python -m training.distill --answers N`"
+        )
     return records

@@ -20,7 +20,7 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
 
-from heads.io import written_atomically
+from heads.files import written_atomically
 
 from .config import ConfigError, DataConfig
 from .corpus import corpus_records
@@ -41,16 +41,23 @@ def load_records(data: DataConfig) -> Dataset:
         raise ConfigError(f"{data.path} holds no records; set data.path to a file (or split) of prompt records")
     field = data.messages_field or data.prompt_field
     if field not in records.column_names:
-        raise ConfigError(f"{data.path} has no {field!r} field (columns: {records.column_names}); set data.prompt_field or data.messages_field")
+        raise ConfigError(
+            f"{data.path} has no {field!r} field (columns: {records.column_names}); set data.prompt_field or "
+            "data.messages_field"
+        )
     return records
 
 
 def load_local_file(path: Path) -> Dataset:
     """A local file's records. A malformed file is named here, with the line: datasets' own error names neither."""
     if not path.is_file():
-        raise ConfigError(f"data file {path} not found; set data.path to a .jsonl, .json or .parquet file or a hub dataset name")
+        raise ConfigError(
+            f"data file {path} not found; set data.path to a .jsonl, .json or .parquet file or a hub dataset name"
+        )
     if path.stat().st_size == 0:
-        raise ConfigError(f"data file {path} is empty; it should hold prompt records (one JSON object per line for .jsonl)")
+        raise ConfigError(
+            f"data file {path} is empty; it should hold prompt records (one JSON object per line for .jsonl)"
+        )
     if path.suffix in (".jsonl", ".json"):
         check_json_file(path)
     try:
@@ -68,7 +75,9 @@ def check_json_file(path: Path) -> None:
     try:
         text = path.read_text(encoding="utf-8-sig")  # datasets skips a byte-order mark too
     except UnicodeDecodeError as error:
-        raise ConfigError(f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"
+        ) from None
     if path.suffix == ".json":
         try:
             document = json.loads(text)
@@ -76,11 +85,14 @@ def check_json_file(path: Path) -> None:
             if error.msg != "Extra data":  # "Extra data": a first complete value, then more: JSON Lines
                 raise ConfigError(
                     f"data file {path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}); "
-                    "a .json file holds a list of records [{...}, ...]; fix the file or name it .jsonl, one record per line"
+                    "a .json file holds a list of records [{...}, ...]; fix the file or name it .jsonl, one record per "
+                    "line"
                 ) from None
         else:
             if document in ([], {}):
-                raise ConfigError(f"data file {path} holds no records; it should hold a list of prompt records [{{...}}, ...]")
+                raise ConfigError(
+                    f"data file {path} holds no records; it should hold a list of prompt records [{{...}}, ...]"
+                )
             return
     check_json_lines(path, text)
 
@@ -98,7 +110,10 @@ def check_json_lines(path: Path, text: str) -> None:
                 "be one complete JSON object: fix or delete that line"
             ) from None
         if not isinstance(record, dict):
-            raise ConfigError(f"data file {path}, line {number}: a JSON {type(record).__name__}, not an object {{...}}; each line must be one record")
+            raise ConfigError(
+                f"data file {path}, line {number}: a JSON {type(record).__name__}, not an object {{...}}; each line "
+                "must be one record"
+            )
         records += 1
     if not records:
         raise ConfigError(f"data file {path} holds no records; it should hold one JSON object per line")
@@ -147,7 +162,8 @@ def collate(pad_id: int):
         out = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
         if "features" in batch[0]:  # cached hidden states (training/features.py), padded like the rows
             out["features"] = {
-                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True) for layer in batch[0]["features"]
+                layer: torch.nn.utils.rnn.pad_sequence([x["features"][layer] for x in batch], batch_first=True)
+                for layer in batch[0]["features"]
             }
         return out
 
@@ -158,7 +174,9 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: int, is_main: bool = True) -> tuple[Dataset, Dataset]:
+def build_datasets(
+    data: DataConfig, tokenizer, target, fingerprint: str, seed: int, is_main: bool = True
+) -> tuple[Dataset, Dataset]:
     """(train, eval) tokenized datasets, cached on disk under data.cache_dir.
 
     Training text: the corpus's self-distilled answers (data.corpus), then the dataset's own answers to prompts the
@@ -179,7 +197,9 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
         records = corpus_records(data.corpus, target)
         held_out = held_out_ids(records, data.eval_prompts)
         answered = {r["id"] for r in records}
-        used = [r for r in records if r.get("prompt_of", r["id"]) not in held_out]  # a reinstructed prompt: its passage too
+        used = [
+            r for r in records if r.get("prompt_of", r["id"]) not in held_out
+        ]  # a reinstructed prompt: its passage too
         if data.corpus_answers is not None:
             if data.corpus_answers > len(used):
                 raise ConfigError(
@@ -195,7 +215,9 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
                     capped.append(r)
             used = capped
         train += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in used]
-        evaluation += [example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in records if r["id"] in held_out]
+        evaluation += [
+            example(r["prompt_ids"], r["answer_ids"], data.max_length) for r in records if r["id"] in held_out
+        ]
     if data.response_field and data.dataset_responses != 0:
         train_part, eval_part = dataset_examples(data, tokenizer, seed, answered)
         train += train_part
@@ -204,7 +226,8 @@ def build_datasets(data: DataConfig, tokenizer, target, fingerprint: str, seed: 
     if not kept:
         raise ConfigError(
             f"no training sequences: set data.corpus to a distilled corpus (python -m training.distill), or give "
-            f"{data.path} {data.response_field!r} responses, and keep data.max_length ({data.max_length}) above the prompts' length"
+            f"{data.path} {data.response_field!r} responses, and keep data.max_length ({data.max_length}) above the "
+            "prompts' length"
         )
     random.Random(seed).shuffle(kept)
     evaluation = [x for x in evaluation if any(x["loss_mask"])]
@@ -223,10 +246,13 @@ def held_out_ids(records: list[dict], count: int) -> set:
 
 
 def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> tuple[list[dict], list[dict]]:
-    """(training, held-out) examples of the dataset's own answers; prompts whose id is in `answered` are left to the corpus."""
+    """(training, held-out) examples of the dataset's own answers; prompts whose id is in `answered` are left to the
+    corpus."""
     records = load_records(data)
     if data.balance_field and data.balance_field not in records.column_names:
-        raise ConfigError(f"data.balance_field {data.balance_field!r} is not a field of {data.path} (columns: {records.column_names})")
+        raise ConfigError(
+            f"data.balance_field {data.balance_field!r} is not a field of {data.path} (columns: {records.column_names})"
+        )
     ids = list(records[data.id_field]) if data.id_field in records.column_names else [None] * len(records)
     pairs = [conversation(r, data) for r in records]
     held_out = pairs[: data.eval_prompts]
@@ -238,8 +264,13 @@ def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> t
         groups = list(records[data.balance_field])
         rest = interleave(rest, [groups[i] for i in rest])
     chosen = rest if data.dataset_responses is None else rest[: data.dataset_responses]
-    train = [example(prompt_ids(tokenizer, pairs[i][0]), response_ids(tokenizer, pairs[i][1]), data.max_length) for i in sorted(chosen)]
-    evaluation = [example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r]
+    train = [
+        example(prompt_ids(tokenizer, pairs[i][0]), response_ids(tokenizer, pairs[i][1]), data.max_length)
+        for i in sorted(chosen)
+    ]
+    evaluation = [
+        example(prompt_ids(tokenizer, m), response_ids(tokenizer, r), data.max_length) for m, r in held_out if r
+    ]
     return train, evaluation
 
 

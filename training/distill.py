@@ -88,15 +88,25 @@ class DistillConfig:
     second_turn_share: float = 0.2  # of those, the share that are second turns
     max_new_tokens: int = 192
     batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/training.md)
-    workers: int = 2  # processes, each with `threads` threads: on 2 cores, two 1-thread workers made 1.12x the tokens of one 2-thread process
+    # processes, each with `threads` threads: on 2 cores, two 1-thread workers made 1.12x the tokens of one 2-thread
+    # process
+    workers: int = 2
     threads: int = 1
     device: str = "auto"  # cuda when there is a GPU (then one worker and larger batches: --workers 1 --batch_size 256)
     shard_answers: int = 256  # answers per shard (~6 minutes of work a worker, ~70 KB compressed)
     seed: int = 0
-    reinstruct_source: str | None = None  # a source of "<instruction>\n\n<text>" prompts (or text first) sharing a few instructions
-    reinstructed: int = 0  # besides `answers`: the first N of its prompts (balanced order) asked under another of its instructions
-    self_prompts: int = 0  # besides `answers`: self-prompted answers to fill up to (first and second turns, as `answers`)
-    request_tokens: int = 192  # the longest request the target may write for itself; one it has not closed by then is dropped
+    reinstruct_source: str | None = (
+        None  # a source of "<instruction>\n\n<text>" prompts (or text first) sharing a few instructions
+    )
+    reinstructed: int = (
+        0  # besides `answers`: the first N of its prompts (balanced order) asked under another of its instructions
+    )
+    self_prompts: int = (
+        0  # besides `answers`: self-prompted answers to fill up to (first and second turns, as `answers`)
+    )
+    request_tokens: int = (
+        192  # the longest request the target may write for itself; one it has not closed by then is dropped
+    )
     request_tries: int = 4  # samples per request slot before the slot is given up (each refused sample is drawn again)
 
     def __post_init__(self):
@@ -104,8 +114,18 @@ class DistillConfig:
         if self.reinstructed and not self.reinstruct_source:
             raise ConfigError("reinstructed answers need reinstruct_source: the source whose passages are asked again")
         if min(self.answers, self.reinstructed, self.self_prompts) < 0 or not 0 <= self.second_turn_share <= 1:
-            raise ConfigError("answers, reinstructed and self_prompts must be >= 0 and second_turn_share between 0 and 1")
-        for name in ("max_new_tokens", "batch_size", "workers", "threads", "shard_answers", "request_tokens", "request_tries"):
+            raise ConfigError(
+                "answers, reinstructed and self_prompts must be >= 0 and second_turn_share between 0 and 1"
+            )
+        for name in (
+            "max_new_tokens",
+            "batch_size",
+            "workers",
+            "threads",
+            "shard_answers",
+            "request_tokens",
+            "request_tries",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -191,7 +211,15 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
     for r in order[: cfg.answers - second_turns]:
         if (r[cfg.id_field], 1) not in done:
             user = [{"role": "user", "content": r[cfg.prompt_field]}]
-            wanted.append({"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 1, "follow_up": None, "prompt_ids": prompt_ids(tokenizer, user)})
+            wanted.append(
+                {
+                    "id": r[cfg.id_field],
+                    "source": r.get(cfg.source_field),
+                    "turn": 1,
+                    "follow_up": None,
+                    "prompt_ids": prompt_ids(tokenizer, user),
+                }
+            )
     # second turns follow first answers already in the corpus; the next run adds those of this run's first turns
     answered = [r for r in order if (r[cfg.id_field], 1) in done][:second_turns]
     for r in answered:
@@ -204,7 +232,13 @@ def requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict]:
                 {"role": "user", "content": request},
             ]
             wanted.append(
-                {"id": r[cfg.id_field], "source": r.get(cfg.source_field), "turn": 2, "follow_up": request, "prompt_ids": prompt_ids(tokenizer, chat)}
+                {
+                    "id": r[cfg.id_field],
+                    "source": r.get(cfg.source_field),
+                    "turn": 2,
+                    "follow_up": request,
+                    "prompt_ids": prompt_ids(tokenizer, chat),
+                }
             )
     return wanted + reinstructed_requests(cfg, order, tokenizer, done) + self_prompt_requests(cfg, tokenizer, done)
 
@@ -222,12 +256,16 @@ def self_prompt_requests(cfg: DistillConfig, tokenizer, done: dict) -> list[dict
     second_turns = round(cfg.self_prompts * cfg.second_turn_share)
     after = max((int(r["id"].split("-")[1]) for r in firsts), default=-1) + 1
     new = max(0, cfg.self_prompts - second_turns - len(firsts))
-    wanted = [{"id": f"self-{after + n:07d}", "source": SELF_PROMPTED, "turn": 1, "follow_up": None} for n in range(new)]
+    wanted = [
+        {"id": f"self-{after + n:07d}", "source": SELF_PROMPTED, "turn": 1, "follow_up": None} for n in range(new)
+    ]
     for first in firsts[:second_turns]:
         if (first["id"], 2) not in done:
             answer_text = tokenizer.decode(first["answer_ids"], skip_special_tokens=True)
             history = [{"role": "user", "content": first["prompt"]}, {"role": "assistant", "content": answer_text}]
-            wanted.append({"id": first["id"], "source": SELF_PROMPTED, "turn": 2, "follow_up": None, "history": history})
+            wanted.append(
+                {"id": first["id"], "source": SELF_PROMPTED, "turn": 2, "follow_up": None, "history": history}
+            )
     return wanted
 
 
@@ -241,20 +279,31 @@ def reinstructed_requests(cfg: DistillConfig, order: list[dict], tokenizer, done
     chosen = [r for r in order if r[cfg.source_field] == cfg.reinstruct_source]
     if not chosen:
         sources = sorted({str(r[cfg.source_field]) for r in order})
-        raise ConfigError(f"reinstruct_source {cfg.reinstruct_source!r} is not a source of {cfg.prompts} (its sources: {sources})")
+        raise ConfigError(
+            f"reinstruct_source {cfg.reinstruct_source!r} is not a source of {cfg.prompts} (its sources: {sources})"
+        )
     prompts = reinstructed_prompts([r[cfg.prompt_field] for r in chosen], cfg.seed)
     usable = [(r, p) for r, p in zip(chosen, prompts) if p is not None]
     if not usable:
         raise ConfigError(
-            f"no prompt of source {cfg.reinstruct_source!r} is '<instruction>\\n\\n<text>' with an instruction that other prompts "
-            "share: there is nothing to ask again"
+            f"no prompt of source {cfg.reinstruct_source!r} is '<instruction>\\n\\n<text>' with an instruction that "
+            "other prompts share: there is nothing to ask again"
         )
     wanted, source = [], f"{cfg.reinstruct_source}/reinstructed"
     for r, prompt in usable[: cfg.reinstructed]:
         key = f"{r[cfg.id_field]}/reinstructed"
         if (key, 1) not in done:
             user = [{"role": "user", "content": prompt}]
-            wanted.append({"id": key, "source": source, "turn": 1, "follow_up": None, "prompt_of": r[cfg.id_field], "prompt_ids": prompt_ids(tokenizer, user)})
+            wanted.append(
+                {
+                    "id": key,
+                    "source": source,
+                    "turn": 1,
+                    "follow_up": None,
+                    "prompt_of": r[cfg.id_field],
+                    "prompt_ids": prompt_ids(tokenizer, user),
+                }
+            )
     return wanted
 
 
@@ -266,7 +315,12 @@ def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: in
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, pad_token_id=pad, cache_implementation="static", **options
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        cache_implementation="static",
+        **options,
     )  # the dynamic cache was erratic for batched bf16
     return out[:, width:].tolist()
 
@@ -280,7 +334,8 @@ def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> l
 
 def write_requests(model, tokenizer, cfg: DistillConfig, slots: list[dict], seen: RequestFilter) -> list[dict]:
     """Fills each slot's prompt with a user turn the target samples (a first request, or a second one after its own
-    answer in `history`); a slot whose samples are all refused is left out. First requests must repeat nothing `seen`."""
+    answer in `history`); a slot whose samples are all refused is left out. First requests must repeat nothing
+    `seen`."""
     filled, todo = [], list(slots)
     for attempt in range(cfg.request_tries):
         refused = []
@@ -288,10 +343,25 @@ def write_requests(model, tokenizer, cfg: DistillConfig, slots: list[dict], seen
             batch = todo[start : start + cfg.batch_size]
             turns = [user_turn(tokenizer, slot.get("history", [])) for slot in batch]
             openings = [tokenizer(opening, add_special_tokens=False)["input_ids"] for opening, _ in turns]
-            torch.manual_seed(int(hashlib.sha256(repr((cfg.seed, batch[0]["id"], batch[0]["turn"], attempt)).encode()).hexdigest()[:8], 16))
+            torch.manual_seed(
+                int(
+                    hashlib.sha256(repr((cfg.seed, batch[0]["id"], batch[0]["turn"], attempt)).encode()).hexdigest()[
+                        :8
+                    ],
+                    16,
+                )
+            )
             stops = sorted({close for _, close in turns} | {tokenizer.eos_token_id})
             rows = continuations(
-                model, tokenizer, openings, cfg.request_tokens, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0, eos_token_id=stops
+                model,
+                tokenizer,
+                openings,
+                cfg.request_tokens,
+                do_sample=True,
+                temperature=TEMPERATURE,
+                top_p=TOP_P,
+                top_k=0,
+                eos_token_id=stops,
             )
             for slot, row, (_, close) in zip(batch, rows, turns):
                 text = request_text(tokenizer, row, close)
@@ -308,7 +378,9 @@ def write_requests(model, tokenizer, cfg: DistillConfig, slots: list[dict], seen
                     slot["prompt_ids"] = prompt_ids(tokenizer, [{"role": "user", "content": text}])
                 else:
                     slot["follow_up"] = text
-                    slot["prompt_ids"] = prompt_ids(tokenizer, slot.pop("history") + [{"role": "user", "content": text}])
+                    slot["prompt_ids"] = prompt_ids(
+                        tokenizer, slot.pop("history") + [{"role": "user", "content": text}]
+                    )
                 filled.append(slot)
         todo = refused
     order = {id(slot): n for n, slot in enumerate(slots)}
@@ -337,7 +409,9 @@ def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -
 
 def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
     model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    bar = tqdm(total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True
+    )
     parent = os.getppid()
     seen, read = RequestFilter(), set()
     for path, chunk in jobs:
@@ -353,7 +427,9 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
             if os.getppid() != parent:  # the command was killed: an orphaned worker must not go on writing shards
                 return
             batch = by_length[start : start + cfg.batch_size]
-            for request, ids in zip(batch, answer(model, tokenizer, [r["prompt_ids"] for r in batch], cfg.max_new_tokens)):
+            for request, ids in zip(
+                batch, answer(model, tokenizer, [r["prompt_ids"] for r in batch], cfg.max_new_tokens)
+            ):
                 request["answer_ids"] = ids
             bar.update(len(batch))
         with open(path.parent / "corpus.lock", "w") as lock:  # another worker's requests, written meanwhile, came first
@@ -362,7 +438,9 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
             for text in self_prompted_requests(path.parent, read):
                 others.add(text)
                 seen.add(text)
-            chunk = [r for r in chunk if r["source"] != SELF_PROMPTED or r["turn"] != 1 or not others.reason(r["prompt"])]
+            chunk = [
+                r for r in chunk if r["source"] != SELF_PROMPTED or r["turn"] != 1 or not others.reason(r["prompt"])
+            ]
             write_shard(path, chunk)  # in the plan's order (the answers were filled in place): a prefix stays balanced
             read.add(path.name)
     bar.close()
@@ -380,7 +458,9 @@ def distill(cfg: DistillConfig) -> Path:
     done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}
     todo = requests(cfg, tokenizer, done)
     extra = f" and {cfg.reinstructed} reinstructed" if cfg.reinstructed else ""
-    print(f"{directory}: {len(done)} answers, {len(todo)} to write (filling up to {cfg.answers}{extra})", file=sys.stderr)
+    print(
+        f"{directory}: {len(done)} answers, {len(todo)} to write (filling up to {cfg.answers}{extra})", file=sys.stderr
+    )
     if not todo:
         return directory
     shards = sorted(directory.glob("shard-*.jsonl.gz"))
@@ -392,19 +472,24 @@ def distill(cfg: DistillConfig) -> Path:
         worker(0, cfg, jobs)
     else:
         spawn = multiprocessing.get_context("spawn")  # fresh processes: fork would share torch's thread pools
-        processes = [spawn.Process(target=worker, args=(rank, cfg, jobs[rank :: cfg.workers])) for rank in range(cfg.workers)]
+        processes = [
+            spawn.Process(target=worker, args=(rank, cfg, jobs[rank :: cfg.workers])) for rank in range(cfg.workers)
+        ]
         for process in processes:
             process.start()
         for process in processes:
             process.join()
         failed = [p.exitcode for p in processes if p.exitcode != 0]
         if failed:
-            raise RuntimeError(f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume: finished shards are kept")
+            raise RuntimeError(
+                f"{len(failed)} worker(s) failed (exit codes {failed}); rerun to resume: finished shards are kept"
+            )
     written = read_corpus(directory)
     tokens = sum(len(r["answer_ids"]) for r in written) - sum(len(r["answer_ids"]) for r in done.values())
     seconds = time.perf_counter() - began
     print(
-        f"{directory}: {len(written)} answers ({len(written) - len(done)} new, {tokens} tokens in {seconds / 60:.1f} min, {tokens / seconds:.0f} tokens/s)",
+        f"{directory}: {len(written)} answers ({len(written) - len(done)} new, {tokens} tokens in {seconds / 60:.1f} "
+        f"min, {tokens / seconds:.0f} tokens/s)",
         file=sys.stderr,
     )
     return directory

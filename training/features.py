@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from heads.io import written_atomically
+from heads.files import written_atomically
 
 from .data import collate
 from .losses import target_features
@@ -90,7 +90,9 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
             for b in range(0, len(by_length), batch_size):
                 chosen = by_length[b : b + batch_size]
                 batch = pad([rows[indices[j]] for j in chosen])
-                hidden = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device), tuple(kept), dtype=None)
+                hidden = target_features(
+                    target, batch["input_ids"].to(device), batch["attention_mask"].to(device), tuple(kept), dtype=None
+                )
                 for r, j in enumerate(chosen):
                     for layer in kept:
                         per_row[layer][j] = hidden[layer][r, : lengths[indices[j]]].cpu()

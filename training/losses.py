@@ -16,7 +16,9 @@ from heads import DraftVocabulary, copy_embedding, copy_tokens
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...], dtype=torch.float32) -> dict[int, torch.Tensor]:
+def target_features(
+    target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...], dtype=torch.float32
+) -> dict[int, torch.Tensor]:
     """The frozen target's hidden states at `layers` (plus -1, the normalised last one), as `dtype`
     (None: the target's own)."""
     # the base model (no vocabulary projection over every position): its last hidden state is normalised
@@ -56,7 +58,9 @@ def medusa_loss(
     if embed is None:
         features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
     else:
-        after = (where[:, 1:] + 1 + torch.arange(num_heads, device=where.device)).clamp(max=input_ids.shape[1] - 1)  # [N, K]
+        after = (where[:, 1:] + 1 + torch.arange(num_heads, device=where.device)).clamp(
+            max=input_ids.shape[1] - 1
+        )  # [N, K]
         features = heads(hidden[where[:, 0], where[:, 1]], embed(input_ids[where[:, :1], after]).to(hidden.dtype))
     total, metrics = features.sum() * 0.0, {}
     for k in range(features.shape[1]):
@@ -113,7 +117,9 @@ def eagle_loss(
     tokens = embed(input_ids[:, 1:]).float()  # the frozen target may run in bf16; the head trains in fp32
     copies = None
     if copy_input:
-        found = torch.tensor([copy_tokens(row) for row in input_ids.tolist()], dtype=torch.long, device=input_ids.device)
+        found = torch.tensor(
+            [copy_tokens(row) for row in input_ids.tolist()], dtype=torch.long, device=input_ids.device
+        )
         copies = copy_embedding(embed, found).float()
     batch, length = tokens.shape[:2]
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
@@ -137,7 +143,11 @@ def eagle_loss(
                 target_logits = vocab.logits(chosen).float()
                 # evaluation scores against the target's true next token; training makes do with the
                 # draft vocabulary's view of it, which saves a full-vocabulary projection per step
-                wanted = lm_head(chosen.to(lm_head.weight.dtype)).argmax(-1) if not head.training else vocab.to_target(target_logits.argmax(-1))
+                wanted = (
+                    lm_head(chosen.to(lm_head.weight.dtype)).argmax(-1)
+                    if not head.training
+                    else vocab.to_target(target_logits.argmax(-1))
+                )
             logits = (draft_vocab or vocab).logits(predicted[where[:, 0], where[:, 1]]).float()
             if ce_weight:
                 soft = torch.softmax(target_logits, dim=-1)
@@ -151,7 +161,9 @@ def eagle_loss(
     return total, metrics
 
 
-def early_exit_loss(head, vocab: DraftVocabulary, hidden: torch.Tensor | None, input_ids, attention_mask, loss_mask, max_tokens: int):
+def early_exit_loss(
+    head, vocab: DraftVocabulary, hidden: torch.Tensor | None, input_ids, attention_mask, loss_mask, max_tokens: int
+):
     """The exit's distribution at position t against the target's own (its last hidden state `hidden` at t): soft
     labels, so the runners-up a tree's other branches draft are taught too. With `hidden` None, against the
     text's next token: on the target's own greedy answers (a corpus) that is its top choice, and a step needs no
@@ -168,7 +180,9 @@ def early_exit_loss(head, vocab: DraftVocabulary, hidden: torch.Tensor | None, i
         with torch.no_grad():
             teacher = vocab.logits(hidden[where[:, 0], where[:, 1]]).float()
         loss = -(torch.softmax(teacher, dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        metrics["agree/depth1"] = (logits.argmax(-1) == teacher.argmax(-1)).float().mean().item()  # with the target's top choice
+        metrics["agree/depth1"] = (
+            (logits.argmax(-1) == teacher.argmax(-1)).float().mean().item()
+        )  # with the target's top choice
     top = vocab.to_target(logits.topk(4, dim=-1).indices)
     metrics["top1/depth1"] = (top[:, 0] == wanted).float().mean().item()
     metrics["top4/depth1"] = (top == wanted[:, None]).any(-1).float().mean().item()
@@ -187,4 +201,6 @@ def unroll_mask(length: int, step: int, dtype: torch.dtype, device) -> torch.Ten
         blocks.append(t[None, :] == (t[:, None] - (step - i)))
     allowed = torch.cat(blocks, dim=1)
     allowed[:, 0] |= ~allowed.any(-1)  # early rows with nothing to see attend to the first key (never in the loss)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[
+        None, None
+    ]

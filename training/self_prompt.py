@@ -19,7 +19,9 @@ from .config import ConfigError
 TEMPERATURE = 1.0
 TOP_P = 0.95
 MIN_WORDS = 3  # "Hi there" is not a request worth an answer
-NEAR_DUPLICATE = 0.7  # word-bigram Jaccard similarity from which a request repeats an earlier one (one word in 12 changed: 0.72)
+NEAR_DUPLICATE = (
+    0.7  # word-bigram Jaccard similarity from which a request repeats an earlier one (one word in 12 changed: 0.72)
+)
 SENTINEL = "SPECHEADS_USER_TURN_SENTINEL"
 
 
@@ -27,19 +29,22 @@ def user_turn(tokenizer, history: list[dict]) -> tuple[str, int]:
     """(the template's text up to a user's words after `history`, the token that closes a user turn)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
-            "self-prompting needs a chat model: its tokenizer has no chat template, so there is no user turn for the target "
-            "to write; distill from a prompt file instead (--self_prompts 0)"
+            "self-prompting needs a chat model: its tokenizer has no chat template, so there is no user turn for the "
+            "target to write; distill from a prompt file instead (--self_prompts 0)"
         )
     text = tokenizer.apply_chat_template(history + [{"role": "user", "content": SENTINEL}], tokenize=False)
     if text.count(SENTINEL) != 1:
-        raise ConfigError("the chat template does not show a user message's text once; self-prompting cannot find where a request goes")
+        raise ConfigError(
+            "the chat template does not show a user message's text once; self-prompting cannot find where a request "
+            "goes"
+        )
     opening, closing = text.split(SENTINEL)
     marker = closing.strip().split()[0] if closing.strip() else ""
     close_id = tokenizer.convert_tokens_to_ids(marker) if marker in tokenizer.all_special_tokens else None
     if close_id is None:
         raise ConfigError(
-            f"the chat template closes a user turn with {closing!r}, which does not start with a special token; self-prompting "
-            "needs the target to end its request with one"
+            f"the chat template closes a user turn with {closing!r}, which does not start with a special token; "
+            "self-prompting needs the target to end its request with one"
         )
     return opening, close_id
 

@@ -1,7 +1,8 @@
 """Fit draft heads on a frozen target.
 
     accelerate launch training/train_heads.py --config configs/smollm2-135m-instruct-eagle.yaml [--key value ...]
-    accelerate launch --config_file configs/accelerate/deepspeed-zero2.yaml training/train_heads.py --config configs/llama-3.1-8b-instruct-eagle.yaml
+    accelerate launch --config_file configs/accelerate/deepspeed-zero2.yaml training/train_heads.py \\
+        --config configs/llama-3.1-8b-instruct-eagle.yaml
 
 One process, several processes (data parallel) or DeepSpeed ZeRO all go through accelerate; the loop below
 does not know which. Checkpoints (`<output_dir>.train-state/step-N`) are written atomically every
@@ -46,7 +47,8 @@ from heads import (
     save_heads,
 )
 from heads.config import HeadConfigError, check_feature_layers, dataclass_from_dict
-from heads.io import check_output_dir, file_in_the_way, non_finite_parameters
+from heads.files import check_output_dir, file_in_the_way
+from heads.io import non_finite_parameters
 from inference import load_target
 from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
@@ -79,7 +81,10 @@ def head_config(cfg: TrainConfig, target_config):
     config = dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
     check_feature_layers(config, target_config, "head.feature_layers: the head")
     if getattr(config, "own_lm_heads", False):
-        raise ConfigError("head.own_lm_heads is for Medusa heads read from FasterDecoding's files; heads trained here project with the target's lm_head")
+        raise ConfigError(
+            "head.own_lm_heads is for Medusa heads read from FasterDecoding's files; heads trained here project with "
+            "the target's lm_head"
+        )
     return config
 
 
@@ -97,14 +102,16 @@ def warm_start(heads, path: str, target) -> None:
     except HeadConfigError as error:
         raise ConfigError(f"init_from: {error}") from None
     if type(source) is not type(heads):
-        raise ConfigError(f"init_from: {path} holds {source.config.kind} heads, but this recipe trains {heads.config.kind} heads")
+        raise ConfigError(
+            f"init_from: {path} holds {source.config.kind} heads, but this recipe trains {heads.config.kind} heads"
+        )
     state = source.state_dict()
     if isinstance(heads.config, EagleConfig) and source.config.feature_layers != heads.config.feature_layers:
         new = heads.config.feature_layers
         if source.config.feature_layers != [-1] or -1 not in new:
             raise ConfigError(
-                f"init_from: {path} reads target layers {source.config.feature_layers}, this head {new}; a head may only "
-                "grow from the final layer alone ([-1]) to several layers that include it (or keep its layers)"
+                f"init_from: {path} reads target layers {source.config.feature_layers}, this head {new}; a head may "
+                "only grow from the final layer alone ([-1]) to several layers that include it (or keep its layers)"
             )
         hidden, at = heads.config.hidden_size, new.index(-1)
         selector = torch.zeros(hidden, len(new) * hidden)
@@ -112,11 +119,18 @@ def warm_start(heads, path: str, target) -> None:
         state = {**heads.state_dict(), **state, "fuse.weight": selector}  # the new layers' norms start as built
     if isinstance(heads.config, EagleConfig) and heads.config.copy_input and not source.config.copy_input:
         # a head may also grow a copy input: its fc columns start at zero, so it computes what it did
-        state["fc.weight"] = torch.cat([state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : heads.config.hidden_size])], dim=1)
+        state["fc.weight"] = torch.cat(
+            [state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : heads.config.hidden_size])], dim=1
+        )
     try:
-        heads.load_state_dict({name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()})
+        heads.load_state_dict(
+            {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+        )
     except RuntimeError as error:
-        raise ConfigError(f"init_from: {path} does not fit this recipe's head ({error}); keep its head settings, e.g. draft_vocab_size") from None
+        raise ConfigError(
+            f"init_from: {path} does not fit this recipe's head ({error}); keep its head settings, e.g. "
+            "draft_vocab_size"
+        ) from None
 
 
 def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, target, batch):
@@ -126,13 +140,17 @@ def compute_loss(cfg: TrainConfig, heads, layers: tuple[int, ...], draft_ids, ta
     head = getattr(heads, "module", heads)  # unwrapped: a head with a projection of its own drafts through it (eagle3)
     draft_vocab = head.draft_vocabulary(lm_head) if isinstance(head, EagleHead) else vocab
     if cfg.head["kind"] == "early_exit" and not cfg.early_exit_soft_labels:  # the labels are the text: no target pass
-        return early_exit_loss(heads, vocab, None, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
+        return early_exit_loss(
+            heads, vocab, None, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens
+        )
     if "features" in batch:
         features = {layer: f.float() for layer, f in batch["features"].items()}
     else:
         features = target_features(target, batch["input_ids"], batch["attention_mask"], layers)
     if cfg.head["kind"] == "early_exit":
-        return early_exit_loss(heads, vocab, features[-1], batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens)
+        return early_exit_loss(
+            heads, vocab, features[-1], batch["input_ids"], batch["attention_mask"], batch["loss_mask"], cfg.loss_tokens
+        )
     if cfg.head["kind"] == "medusa":
         sequential = head.config.sequential  # the heads read the text's tokens, through the target's embeddings
         return medusa_loss(
@@ -216,7 +234,10 @@ def check_state_dir(root: Path) -> None:
     """Checkpoints go to `root`: it must be a folder, or a path where one can be made."""
     blocking = file_in_the_way(root)
     if blocking is not None:
-        raise ConfigError(f"cannot keep training checkpoints in {root}: {blocking} is a file, not a folder; set state_dir (or output_dir) elsewhere")
+        raise ConfigError(
+            f"cannot keep training checkpoints in {root}: {blocking} is a file, not a folder; set state_dir (or "
+            "output_dir) elsewhere"
+        )
 
 
 def remove_stale_staging(root: Path) -> None:
@@ -244,7 +265,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a recipe in configs/*.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    parser.add_argument("--prepare-data", action="store_true", help="only build (and cache) the training data (and features, with cache_features), then exit")
+    parser.add_argument(
+        "--prepare-data",
+        action="store_true",
+        help="only build (and cache) the training data (and features, with cache_features), then exit",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -274,7 +299,10 @@ def main(argv=None):
     newest = latest_checkpoint(checkpoints)
     if not args.resume and not args.prepare_data and newest is not None:
         # a fresh run would mix its checkpoints with the earlier run's (and prune the wrong ones)
-        parser.error(f"{checkpoints} holds checkpoints of an earlier run: pass --resume to continue it, or move it away to start afresh")
+        parser.error(
+            f"{checkpoints} holds checkpoints of an earlier run: pass --resume to continue it, or move it away to "
+            "start afresh"
+        )
     if args.resume and not args.prepare_data and newest is not None and (output / "config.json").is_file():
         done = checkpoint_state(newest)
         if run_is_over(done, cfg):  # resuming would train past the end and overwrite the finished heads
@@ -283,7 +311,13 @@ def main(argv=None):
                 "Raise --max_steps (or --max_minutes) to train further."
             )
             shut_down(accelerator)
-            return {"steps": done["step"], "resumed_from": done["step"], "history": done.get("eval_history", []), "output": str(output), "weights_sha256": None}
+            return {
+                "steps": done["step"],
+                "resumed_from": done["step"],
+                "history": done.get("eval_history", []),
+                "output": str(output),
+                "weights_sha256": None,
+            }
     if accelerator.is_main_process:
         remove_stale_staging(checkpoints)
 
@@ -297,15 +331,23 @@ def main(argv=None):
             warm_start(heads, cfg.init_from, target)
             accelerator.print(f"starting from the heads at {cfg.init_from}")
         with accelerator.main_process_first():
-            train_set, eval_set = build_datasets(cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process)
+            train_set, eval_set = build_datasets(
+                cfg.data, tokenizer, target, fingerprint.weights_sha256, cfg.seed, accelerator.is_main_process
+            )
     except HeadConfigError as error:
         parser.error(str(error))
-    accelerator.print(f"data: {len(train_set)} training sequences ({sum(map(sum, train_set['loss_mask']))} loss tokens), {len(eval_set)} held out")
+    accelerator.print(
+        f"data: {len(train_set)} training sequences ({sum(map(sum, train_set['loss_mask']))} loss tokens), "
+        f"{len(eval_set)} held out"
+    )
     layers = tuple(getattr(config, "feature_layers", (-1,)))
     rows = train_set
     if cfg.cache_features:
         started = time.perf_counter()
-        directory = Path(cfg.data.cache_dir) / f"features-{features_key(fingerprint.weights_sha256, rows, layers, target.dtype)}"
+        directory = (
+            Path(cfg.data.cache_dir)
+            / f"features-{features_key(fingerprint.weights_sha256, rows, layers, target.dtype)}"
+        )
         with accelerator.main_process_first():
             store = cache_features(target, rows, layers, directory, cfg.batch_size, accelerator.is_main_process)
         train_set = WithFeatures(rows, store)
@@ -313,16 +355,26 @@ def main(argv=None):
         accelerator.print(f"features: {gib:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
     if args.prepare_data:
         return {"steps": 0, "resumed_from": 0, "history": [], "output": None, "weights_sha256": None}
-    if heads.draft_ids is not None and not cfg.init_from:  # the draft vocabulary: the most frequent tokens of the training answers
+    if (
+        heads.draft_ids is not None and not cfg.init_from
+    ):  # the draft vocabulary: the most frequent tokens of the training answers
         ids, covered, total = most_frequent_tokens(
-            ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in rows), config.draft_vocab_size, config.vocab_size
+            ([t for t, m in zip(x["input_ids"], x["loss_mask"]) if m] for x in rows),
+            config.draft_vocab_size,
+            config.vocab_size,
         )
         heads.draft_ids.copy_(ids)
-        accelerator.print(f"draft vocabulary: {len(ids)} tokens cover {covered / max(total, 1):.1%} of the training answers' tokens")
-    if isinstance(heads, EagleHead) and config.architecture == "eagle3" and not cfg.init_from:  # its own lm_head starts as the target's rows
+        accelerator.print(
+            f"draft vocabulary: {len(ids)} tokens cover {covered / max(total, 1):.1%} of the training answers' tokens"
+        )
+    if (
+        isinstance(heads, EagleHead) and config.architecture == "eagle3" and not cfg.init_from
+    ):  # its own lm_head starts as the target's rows
         with torch.no_grad():
             projection = target.get_output_embeddings().weight
-            heads.lm_head.weight.copy_(projection if heads.draft_ids is None else projection[heads.draft_ids.to(projection.device)])
+            heads.lm_head.weight.copy_(
+                projection if heads.draft_ids is None else projection[heads.draft_ids.to(projection.device)]
+            )
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(
         {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule],
@@ -334,7 +386,11 @@ def main(argv=None):
     # own generators: starting a loader's iterator must not draw from the global RNG, or a resumed run
     # (which starts one mid-epoch) would shift the noise and position sampling of an uninterrupted one
     # padding costs a step as much as real tokens: with length grouping a batch of 8 holds ~1.5x fewer
-    sampler = EpochSeededLengthSampler([len(ids) for ids in rows["input_ids"]], cfg.batch_size, cfg.seed) if cfg.group_by_length else None
+    sampler = (
+        EpochSeededLengthSampler([len(ids) for ids in rows["input_ids"]], cfg.batch_size, cfg.seed)
+        if cfg.group_by_length
+        else None
+    )
     loader = DataLoader(
         train_set,
         batch_size=cfg.batch_size,
@@ -343,8 +399,12 @@ def main(argv=None):
         collate_fn=collate(pad),
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed))
-    heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(heads, optimizer, loader, eval_loader, scheduler)
+    eval_loader = DataLoader(
+        eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed)
+    )
+    heads, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
+        heads, optimizer, loader, eval_loader, scheduler
+    )
     draft_ids = accelerator.unwrap_model(heads).draft_ids  # after prepare: on the training device
     accelerator.init_trackers("specheads", config={k: str(v) for k, v in cfg.to_dict().items()})
 
@@ -359,14 +419,18 @@ def main(argv=None):
             accelerator.print(f"resumed from {newest} (step {state['step']})")
     resumed_from, history = state["step"], state["eval_history"]
 
-    progress = tqdm(total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=cfg.max_steps, initial=state["step"], desc="training", disable=not accelerator.is_local_main_process
+    )
     started, metrics = time.perf_counter() - state["train_seconds"], {}
     heads.train()
     # a run killed after its last checkpoint but before writing its heads trains nothing more: they are written below
     finished = run_is_over(state, cfg)
     while not finished:
         loader.set_epoch(state["epoch"])
-        epoch_loader = accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
+        epoch_loader = (
+            accelerator.skip_first_batches(loader, state["batches_in_epoch"]) if state["batches_in_epoch"] else loader
+        )
         for batch in epoch_loader:
             with accelerator.accumulate(heads):
                 loss, metrics = compute_loss(cfg, heads, layers, draft_ids, target, batch)
@@ -386,9 +450,15 @@ def main(argv=None):
             if not math.isfinite(loss_value):
                 progress.close()
                 parser.error(diverged(state["step"], f"the loss is {loss_value}", cfg, checkpoints))
-            progress.set_postfix(loss=f"{loss_value:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")})
+            progress.set_postfix(
+                loss=f"{loss_value:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items() if k.startswith("top1")}
+            )
             if state["step"] % cfg.log_every == 0:
-                logged = {"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0], **{f"train/{k}": v for k, v in metrics.items()}}
+                logged = {
+                    "train/loss": loss_value,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    **{f"train/{k}": v for k, v in metrics.items()},
+                }
                 accelerator.log(logged, step=state["step"])
             finished = run_is_over(state, cfg)
             if state["step"] % cfg.eval_every == 0 or finished:
@@ -401,7 +471,14 @@ def main(argv=None):
                 broken = non_finite_parameters(accelerator.unwrap_model(heads).state_dict())
                 if broken:  # the loss was finite, the update that followed was not
                     progress.close()
-                    parser.error(diverged(state["step"], f"the weights hold NaN or infinity ({', '.join(broken[:3])})", cfg, checkpoints))
+                    parser.error(
+                        diverged(
+                            state["step"],
+                            f"the weights hold NaN or infinity ({', '.join(broken[:3])})",
+                            cfg,
+                            checkpoints,
+                        )
+                    )
                 save_checkpoint(accelerator, checkpoints, state, cfg.keep_checkpoints)
             if finished:
                 break
@@ -416,7 +493,8 @@ def main(argv=None):
         if cfg.head["kind"] == "medusa" and history:  # the default tree is fitted to the measured accuracies
             last = history[-1]
             model.config.rank_accuracy = [
-                [round(last.get(f"eval/top1/depth{d}", 0.0), 4)] + [round(last.get(f"eval/rank{r}/depth{d}", 0.0), 4) for r in range(2, 5)]
+                [round(last.get(f"eval/top1/depth{d}", 0.0), 4)]
+                + [round(last.get(f"eval/rank{r}/depth{d}", 0.0), 4) for r in range(2, 5)]
                 for d in range(2, model.config.num_heads + 2)
             ]
         training = {
@@ -432,12 +510,22 @@ def main(argv=None):
             save_heads(model, output, target, training=training)
         except HeadConfigError as error:
             parser.error(str(error))
-        accelerator.print(f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)")
+        accelerator.print(
+            f"saved heads to {output} after {state['step']} steps ({state['train_seconds'] / 60:.1f} min)"
+        )
     # every rank reports its weights: data-parallel ranks must end identical
-    digest = hashlib.sha256(b"".join(p.detach().float().cpu().numpy().tobytes() for p in accelerator.unwrap_model(heads).parameters())).hexdigest()
+    digest = hashlib.sha256(
+        b"".join(p.detach().float().cpu().numpy().tobytes() for p in accelerator.unwrap_model(heads).parameters())
+    ).hexdigest()
     print(f"rank {accelerator.process_index}: weights sha256 {digest[:16]}", flush=True)
     shut_down(accelerator)
-    return {"steps": state["step"], "resumed_from": resumed_from, "history": history, "output": str(output), "weights_sha256": digest}
+    return {
+        "steps": state["step"],
+        "resumed_from": resumed_from,
+        "history": history,
+        "output": str(output),
+        "weights_sha256": digest,
+    }
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Convert draft heads between this project's checkpoints and the published formats.
+"""Convert draft heads between this project's checkpoints and the published formats (a command of this layer, not of
+`heads`: it loads the target, which heads.formats only takes as an argument).
 
-    python -m heads.convert SRC DST --to {ours,eagle,eagle3,speculators,medusa} [--model M]
+    python -m inference.convert SRC DST --to {ours,eagle,eagle3,speculators,medusa} [--model M]
 
 SRC is any directory `heads.load_heads` reads (its format is recognised from its files); DST must be new or
 empty. The target model (`--model`, default the embedded SmolLM2-135M-Instruct) is loaded to check the heads
@@ -15,23 +16,38 @@ import argparse
 
 import torch
 
-from .formats import EXPORTS, detect_format, write_format
-from .io import load_heads, save_heads
+from heads.formats import EXPORTS, detect_format, write_format
+from heads.io import load_heads, save_heads
+
+from .target import load_target
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m heads.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="a head directory: ours, EAGLE-1/2, EAGLE-3 (SafeAILab, SpecForge), speculators or Medusa")
+    parser = argparse.ArgumentParser(
+        prog="python -m inference.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "src", help="a head directory: ours, EAGLE-1/2, EAGLE-3 (SafeAILab, SpecForge), speculators or Medusa"
+    )
     parser.add_argument("dst", help="a new or empty directory to write")
     parser.add_argument("--to", required=True, choices=["ours", *EXPORTS], help="the format to write")
-    parser.add_argument("--model", default=None, help="the heads' target: hub id or directory (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the written weights' dtype (default: as read)")
     parser.add_argument(
-        "--full-vocabulary", action="store_true", help="medusa: write heads with a reduced draft vocabulary as heads that draft from every token"
+        "--model",
+        default=None,
+        help="the heads' target: hub id or directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the written weights' dtype (default: as read)",
+    )
+    parser.add_argument(
+        "--full-vocabulary",
+        action="store_true",
+        help="medusa: write heads with a reduced draft vocabulary as heads that draft from every token",
     )
     args = parser.parse_args(argv)
-
-    from inference.target import load_target  # the heads package itself does not depend on inference
 
     source = detect_format(args.src)
     model, _ = load_target(args.model, dtype=torch.float32, tokenizer=False)
@@ -61,6 +77,6 @@ def _stored_dtype(path) -> torch.dtype:
 
 
 if __name__ == "__main__":
-    from inference.cli import run
+    from .cli import run
 
-    run(main, "python -m heads.convert")
+    run(main, "python -m inference.convert")
