@@ -205,17 +205,17 @@ def generate(
     seed: int | None = None,
     streamer=None,
     batch_size: int | None = None,
-) -> Generation:
-    """Generate exactly what `model` alone generates (greedy: token for token; sampling: in distribution).
+) -> Generation | list[Generation]:
+    """Generate exactly what `model` alone generates (greedy: token for token; sampling: in distribution). Returns a
+    Generation for one prompt, and a list of them (in the prompts' order) for a list of prompts.
 
     prompt_or_input_ids: text (needs `tokenizer`), token ids (list, 1-D or [1, n] tensor), or a tokenizer's
     output holding `input_ids`. heads: None (plain decoding), MedusaHeads / EagleHead from `heads.load_heads`,
     a Drafter, or a list of them whose trees are merged. tree: None sizes a head's tree to this machine
-    (inference.calibrate, measured once and cached); a DynamicTreeSpec (or Medusa paths) fixes it. lookup:
-    merge prompt lookup into a head's tree (None, the default: for one prompt, and in a batch for a head that
-    grows dynamic trees, which keeps only the copied tokens it believes likelier than its own drafts
-    (MergedDrafter), so that no row's long span widens every row's verification; True: always). fallback:
-    decode plainly while drafting does not pay on this sequence (inference.fallback). streamer: a Hugging Face
+    (inference.calibrate, measured once and cached); a DynamicTreeSpec (or Medusa paths) fixes it. lookup: merge
+    prompt lookup into a head's tree (None: as `plan` decides; True: always; False: never). fallback: decode plainly
+    while drafting does not pay on this sequence (inference.fallback). `plan` turns these four into what decodes,
+    for one prompt and for a batch alike. streamer: a Hugging Face
     streamer; like `model.generate`, it first receives the prompt, then the tokens as they are accepted.
     batch_size: for a list of prompts, how many decode at once (None: all of them); as one finishes, the next
     prompt starts in its place.
@@ -225,7 +225,6 @@ def generate(
     warm_up(model)  # a compiled model whose package is not ready: compiled (and said so) or loaded now
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
         if _is_batch(prompt_or_input_ids):
-            lookup = bool(lookup) if lookup is not None else len(prompt_or_input_ids) == 1 or grows_dynamic_trees(heads)
             return _generate_batch(
                 model,
                 heads,
@@ -247,7 +246,7 @@ def generate(
             max_new_tokens,
             sampling,
             tree,
-            lookup is not False,
+            lookup,
             fallback,
             seed,
             streamer,
@@ -259,16 +258,11 @@ def _generate_one(
 ) -> Generation:
     """generate() for one prompt."""
     prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
-    drafter = as_drafter(
-        with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads)
-    )
+    chosen = plan(model, heads, tree, lookup, fallback)
+    drafter, plain, clock = chosen.drafter, chosen.fallback, time.perf_counter
     drafter.reset()
     generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
-    name, plain, clock = (
-        drafter_name(drafter),
-        Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)),
-        time.perf_counter,
-    )
+    name = drafter_name(drafter)
     if streamer is not None:
         streamer.put(prompt[None].cpu())
 
@@ -340,27 +334,11 @@ def _generate_batch(
         raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
     ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
-    stateful = [
-        d
-        for d in (heads if isinstance(heads, (list, tuple)) else [heads])
-        if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)
-    ]
-    if stateful and len(ids) > 1:
-        raise ValueError(
-            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded "
-            "heads (heads.load_heads) instead, and one drafter is built for the whole batch"
-        )
-    spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows)
-    drafter = as_drafter(with_defaults(heads, lookup), model, spec)
-    if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
-        drafter = MergedDrafter([drafter])
+    chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows))
+    drafter, plain = chosen.drafter, chosen.fallback
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
     started = time.perf_counter()
     eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
-    # a batch's step tells as much about its drafter's guesses as `rows` steps of one sequence, but its time is one
-    # step's, and a step's time is noisy (a batch-8 step took 84 ms, the next 160): judge after fewer steps, yet
-    # never after fewer than four, against plain decoding priced over two steps
-    plain = Fallback(enabled=fallback and not isinstance(drafter, NoDrafter), judge=max(4, JUDGE // rows), price=2)
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(
         model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows
     )
@@ -378,6 +356,52 @@ def _generate_batch(
         text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
         results.append(Generation(tokens, text, stats))
     return results
+
+
+@dataclass
+class Plan:
+    """What a generate() call decodes with, made from its arguments in one place (`plan`)."""
+
+    drafter: object  # proposes each step's tree (inference.drafters); NoDrafter: plain decoding
+    fallback: Fallback  # when to decode plainly instead (inference.fallback)
+
+
+def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[int, int] | None = None) -> Plan:
+    """generate()'s `heads`, `tree`, `lookup` and `fallback` -> its Plan. `batch`: (prompts, rows decoding at once) for
+    a list of prompts, None for one prompt.
+
+    - tree None: a trained head's tree is sized to this machine's measured pass costs (inference.calibrate), per
+      batch size;
+    - lookup None: prompt lookup is merged into a trained head's tree for one prompt, and in a batch for a head
+      that grows dynamic trees (it keeps only the copied tokens it believes likelier than its own drafts), so that
+      no row's long span widens every row's verification;
+    - fallback: decode plainly while drafting does not pay; a batch is judged after fewer steps (a step tells as much
+      as `rows` steps of one sequence), but never fewer than four, against plain decoding priced over two steps
+      (a batch-8 step took 84 ms, the next 160)."""
+    if batch is None:
+        lookup = lookup is not False
+        drafter = as_drafter(
+            with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads)
+        )
+        return Plan(drafter, Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)))
+    prompts, rows = batch
+    stateful = [
+        d
+        for d in (heads if isinstance(heads, (list, tuple)) else [heads])
+        if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)
+    ]
+    if stateful and prompts > 1:
+        raise ValueError(
+            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded "
+            "heads (heads.load_heads) instead, and one drafter is built for the whole batch"
+        )
+    lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
+    spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows)
+    drafter = as_drafter(with_defaults(heads, lookup), model, spec)
+    if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
+        drafter = MergedDrafter([drafter])
+    enabled = fallback and not isinstance(drafter, NoDrafter)
+    return Plan(drafter, Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2))
 
 
 def with_defaults(heads, lookup: bool):

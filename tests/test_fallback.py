@@ -2,11 +2,13 @@
 
 import importlib
 
+import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead
-from inference import OracleDrafter, PromptLookupDrafter, chain_paths, generate
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
+from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, chain_paths, generate
+from inference.drafters import EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter
 from inference.fallback import Fallback
 
 engine = importlib.import_module("inference.generate")
@@ -134,3 +136,26 @@ def test_acceptance_by_depth_counts_what_the_oracle_got_accepted():
     # 16 tokens after the prefill's: four steps of 3 drafts + 1, nothing rejected
     assert out.stats.drafted_to_depth == [4, 4, 4] and out.stats.acceptance_by_depth == [1.0, 1.0, 1.0]
     assert out.stats.plain_steps == 0
+
+
+def test_one_plan_for_one_prompt_and_for_a_batch():
+    """generate()'s heads, tree, lookup and fallback become a drafter and a fallback in one place (plan)."""
+    model = tiny_model("llama")
+    eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
+    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2)).eval()
+    tree = DynamicTreeSpec(depth=3, top_k=2, nodes=6)
+    plan = engine.plan
+    one = plan(model, eagle, tree, None, True)  # one prompt: lookup merged into the head's tree, the fallback on
+    assert isinstance(one.drafter, MergedDrafter) and one.fallback.enabled and one.fallback.judge == 8
+    assert {type(d) for d in one.drafter.drafters} == {EagleDrafter, PromptLookupDrafter}
+    assert isinstance(plan(model, eagle, tree, False, True).drafter, EagleDrafter)
+    assert not plan(model, None, None, None, True).fallback.enabled  # nothing to fall back from
+    assert isinstance(plan(model, None, None, None, True).drafter, NoDrafter)
+    batch = plan(model, eagle, tree, None, True, batch=(6, 4))  # a head growing dynamic trees: lookup weighed in
+    assert isinstance(batch.drafter, MergedDrafter) and (batch.fallback.judge, batch.fallback.price) == (4, 2)
+    medusa_batch = plan(model, medusa, [(0,), (0, 0)], None, False, batch=(6, 4))  # static trees: no lookup
+    assert isinstance(medusa_batch.drafter, MedusaDrafter) and not medusa_batch.fallback.enabled
+    single_row = plan(model, medusa, [(0,), (0, 0)], None, True, batch=(1, 1))  # one prompt in a list: lookup too
+    assert isinstance(single_row.drafter, MergedDrafter)
+    with pytest.raises(ValueError, match="keeps the state of one sequence"):
+        plan(model, one.drafter.drafters[0], None, None, True, batch=(2, 2))
