@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import replace
@@ -251,12 +252,17 @@ def load_or_measure(
                 f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again",
                 stacklevel=2,
             )
-    if verbose:
+    if verbose:  # generate() says so too: a first call would otherwise spend ~20 s in silence
         print(
-            f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}); cached in {path}",
+            f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}), once a machine "
+            f"(about 20 s; `python -m inference.calibrate` does it ahead of time); cached in {path}...",
+            file=sys.stderr,
             flush=True,
         )
+    started = time.perf_counter()
     cost, one_pass = measure(model, head, spec, batch=batch)
+    if verbose:
+        print(f"  calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_atomically(path) as staging:
         staging.write_text(

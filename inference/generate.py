@@ -378,13 +378,7 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
     - fallback: decode plainly while drafting does not pay; a batch is judged after fewer steps (a step tells as much
       as `rows` steps of one sequence), but never fewer than four, against plain decoding priced over two steps
       (a batch-8 step took 84 ms, the next 160)."""
-    if batch is None:
-        lookup = lookup is not False
-        drafter = as_drafter(
-            with_defaults(heads, lookup), model, tree if tree is not None else calibrated_tree(model, heads)
-        )
-        return Plan(drafter, Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)))
-    prompts, rows = batch
+    prompts, rows = batch or (1, 1)
     stateful = [
         d
         for d in (heads if isinstance(heads, (list, tuple)) else [heads])
@@ -395,8 +389,12 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
             f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded "
             "heads (heads.load_heads) instead, and one drafter is built for the whole batch"
         )
+    # measured once a machine (a line on stderr says so); python -m inference.calibrate measures ahead of time
+    spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows, verbose=True)
+    if batch is None:
+        drafter = as_drafter(with_defaults(heads, lookup is not False), model, spec)
+        return Plan(drafter, Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)))
     lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
-    spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
     if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
         drafter = MergedDrafter([drafter])

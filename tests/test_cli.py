@@ -52,7 +52,7 @@ def test_eagle_head_gets_a_tree_calibrated_to_the_machine(tiny_chat, tmp_path, c
             "--stats",
         ]
     )
-    assert "calibrating pass costs" in capsys.readouterr().out
+    assert "calibrating pass costs" in capsys.readouterr().err
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
     main(
         [
