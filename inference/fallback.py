@@ -7,15 +7,27 @@ committed (not the first drafted step after a hold, which also feeds the drafter
 `price` plain steps early on price plain decoding (one for a single sequence, whose call is short; a batch
 takes two, as a step's time is noisy and the batch runs long). While the recent drafted steps (at least `judge`
 of them: acceptance comes in bursts, and a few unlucky steps say little) commit fewer tokens per second than
-plain steps, the loop decodes plainly for `hold` steps (doubling each time drafting loses again, up to
-`max_hold`), then drafts `judge` steps to look again.
+plain steps, the loop decodes plainly for `hold` steps (four times longer each time drafting loses again, up to
+`max_hold`), then drafts to look again.
+
+A look after a hold is a probe, and probes are what a losing drafter costs (the shipped early-exit draft ran 0.84x
+plain decoding, drafting 44% of its steps, nearly all of them in probes). So a probe that loses by more than
+`PROBE_MARGIN` after `PROBE` timed steps ends there; a hold is at least long enough that the next probe, priced
+at the loss measured last (its steps times the share of a plain step's tokens they fell short by), costs at most
+`PROBE_SHARE` of the hold's tokens; and a call whose drafter was losing when its last call ended (`last_ratio`:
+its drafted steps' tokens per second over plain steps', kept per heads by the caller) starts with such a hold: it
+prices plain decoding first, then probes.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 JUDGE = 8  # drafted steps timed before drafting is judged (a batch's step counts for each of its rows)
+PROBE = 3  # a probe is judged after this many timed steps already when it loses clearly:
+PROBE_MARGIN = 0.8  # ... at under this share of plain decoding's tokens per second
+PROBE_SHARE = 0.05  # a hold lasts long enough that the next probe, priced at the last one's loss, costs at most this
 
 
 class Fallback:
@@ -27,12 +39,17 @@ class Fallback:
         hold: int = 8,
         max_hold: int = 64,
         price: int = 1,
+        last_ratio: float | None = None,
     ):
         self.enabled, self.judge, self.first_hold, self.max_hold, self.price = enabled, judge, hold, max_hold, price
         self.hold = hold
         self.drafted: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, seconds) of recent steps
         self.plain: deque[tuple[float, float]] = deque(maxlen=window)
-        self.plain_left = 0  # plain steps still to take before drafting again
+        lost_before = last_ratio is not None and last_ratio < 1
+        self.plain_left = self.hold_for(last_ratio) if lost_before else 0  # plain steps to take before drafting again
+        self.probing = lost_before  # drafting after a hold: judged early when it loses clearly
+        self.ratio: float | None = None  # the last judgement: drafted steps' tokens per second over plain steps'
+        self.lost = False  # whether the last judgement went to plain decoding
         self.warm = False  # the first drafted step also feeds the drafter the whole prompt: not timed
 
     def use_drafter(self) -> bool:
@@ -58,16 +75,30 @@ class Fallback:
             return
         else:
             self.drafted.append((tokens, seconds))
-        if len(self.plain) < self.price or len(self.drafted) < self.judge:
+        if len(self.plain) < self.price:
             return
-        if rate(self.drafted) < rate(self.plain):
-            self.plain_left, self.hold = self.hold, min(2 * self.hold, self.max_hold)
+        clearly_losing = (
+            self.probing and len(self.drafted) >= PROBE and rate(self.drafted) < PROBE_MARGIN * rate(self.plain)
+        )
+        if len(self.drafted) < self.judge and not clearly_losing:
+            return
+        self.ratio = rate(self.drafted) / max(rate(self.plain), 1e-12)
+        self.lost = self.ratio < 1
+        if self.lost:
+            self.plain_left = max(self.hold, self.hold_for(self.ratio))
+            self.hold = min(4 * self.hold, self.max_hold)
             self.drafted.clear()  # after the hold, drafting is judged afresh
             # and its first step is not timed: it also feeds the drafter what the hold committed, a cost of
             # switching that grows with the hold; timing it would hold off drafting longer each time
             self.warm = False
+            self.probing = True
         else:
-            self.hold = self.first_hold
+            self.hold, self.probing = self.first_hold, False
+
+    def hold_for(self, ratio: float) -> int:
+        """Plain steps after which a probe (PROBE timed steps and an untimed one) losing `ratio` of a plain step's
+        tokens per second costs at most PROBE_SHARE of them."""
+        return min(self.max_hold, math.ceil((PROBE + 1) * (1 - ratio) / PROBE_SHARE))
 
 
 def rate(steps) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -299,6 +300,7 @@ def _generate_one(
         plain.record(drafting, new_tokens.shape[0], clock() - started)
         state.stats.plain_steps += not drafting
         state.stats.count_depths(step.max_depth, path.shape[0] - 1)
+    chosen.remember()
 
     stats = state.stats
     stats.seconds = clock() - start
@@ -342,6 +344,7 @@ def _generate_batch(
     new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(
         model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows
     )
+    chosen.remember()
     seconds = time.perf_counter() - started
     results = []
     for row, tokens in enumerate(new_tokens):
@@ -364,6 +367,18 @@ class Plan:
 
     drafter: object  # proposes each step's tree (inference.drafters); NoDrafter: plain decoding
     fallback: Fallback  # when to decode plainly instead (inference.fallback)
+    head: object = None  # the trained heads drafting, whose fallback's verdict the next call starts from
+
+    def remember(self) -> None:
+        """Keep how drafting fared against plain decoding when this call ended: a next call with these heads starts
+        with a hold when it was losing (inference.fallback)."""
+        if self.head is not None and self.fallback.enabled and self.fallback.ratio is not None:
+            LAST_RATIO[self.head] = self.fallback.ratio
+
+
+LAST_RATIO: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # trained heads -> Fallback.ratio of their last call
 
 
 def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[int, int] | None = None) -> Plan:
@@ -391,15 +406,20 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
         )
     # measured once a machine (a line on stderr says so); python -m inference.calibrate measures ahead of time
     spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows, verbose=True)
+    head = next(
+        (h for h in (heads if isinstance(heads, (list, tuple)) else [heads]) if isinstance(h, TRAINED_HEADS)), None
+    )
+    last_ratio = LAST_RATIO.get(head) if head is not None else None
     if batch is None:
         drafter = as_drafter(with_defaults(heads, lookup is not False), model, spec)
-        return Plan(drafter, Fallback(enabled=fallback and not isinstance(drafter, NoDrafter)))
+        enabled = fallback and not isinstance(drafter, NoDrafter)
+        return Plan(drafter, Fallback(enabled=enabled, last_ratio=last_ratio), head)
     lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
     if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
         drafter = MergedDrafter([drafter])
     enabled = fallback and not isinstance(drafter, NoDrafter)
-    return Plan(drafter, Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2))
+    return Plan(drafter, Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2, last_ratio=last_ratio), head)
 
 
 def with_defaults(heads, lookup: bool):

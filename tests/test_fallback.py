@@ -27,11 +27,24 @@ def run(fallback: Fallback, steps: int, drafted_step, plain_step) -> str:
 def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     # drafted: 2 tokens in 3 s; plain: 1 token in 1 s
     taken = run(Fallback(judge=2, hold=4, max_hold=8), 40, (2, 3.0), (1, 1.0))
-    # the first drafted step is not timed, two more are; one plain step prices plain decoding; drafting loses:
-    # 4 plain steps, then a probe of two timed drafted steps after an untimed one (it also feeds the drafter what
-    # the plain steps committed), 8 plain, a probe, 8 (the hold stops doubling at max_hold) ...
-    assert taken.startswith("DDD" + "p" + "pppp" + "DDD" + "pppppppp" + "DDD" + "pppppppp"), taken
+    # the first drafted step is not timed, two more are; one plain step prices plain decoding; drafting loses by a
+    # third: a hold long enough that the next probe costs 5% of it, capped at max_hold (8), then a probe of two timed
+    # drafted steps after an untimed one (it also feeds the drafter what the plain steps committed), 8 plain, ...
+    assert taken.startswith("DDD" + "p" + "p" * 8 + "DDD" + "p" * 8 + "DDD" + "p" * 8), taken
     assert taken.count("D") <= 12
+
+
+def test_a_probe_that_loses_clearly_ends_early_and_a_losing_drafter_starts_the_next_call_held():
+    # drafted: 1 token in 2 s (half of plain's pace); judged after 8 timed steps the first time, after 3 in a probe
+    first = Fallback(hold=4, max_hold=64)
+    taken = run(first, 60, (1, 2.0), (1, 1.0))
+    hold = first.hold_for(0.5)  # (3 + 1) steps losing half a token each, at most 5% of the hold: 40 steps
+    assert hold == 40 and taken.startswith("D" * 9 + "p" + "p" * hold + "D" * 4 + "p"), taken
+    assert first.lost and first.ratio == 0.5
+    # the next call of the same heads starts with that hold, prices plain decoding there, then probes
+    second = Fallback(hold=4, max_hold=64, last_ratio=first.ratio)
+    assert run(second, 45, (1, 2.0), (1, 1.0)) == "p" * hold + "D" * 4 + "p"
+    assert run(Fallback(last_ratio=1.3), 3, (1, 2.0), (1, 1.0)) == "DDD"  # a drafter that was winning starts drafting
 
 
 def test_a_batch_prices_plain_decoding_over_two_steps():
@@ -84,7 +97,7 @@ def test_a_disabled_fallback_always_drafts():
 class Alternating(Fallback):
     """Switches between drafting and plain decoding every other step, whatever the times."""
 
-    def __init__(self, enabled=True):
+    def __init__(self, enabled=True, **unused):
         super().__init__(enabled)
         self.steps = 0
 
