@@ -1,0 +1,87 @@
+"""scripts/gpu_check.py's dry run: every section's code runs on the CPU with tiny random models (about 40 s, most of
+it compiling the tiny target and head), so that the GPU check cannot rot between GPU sessions."""
+
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gpu_check  # noqa: E402
+from conftest import hf_greedy, tiny_model  # noqa: E402
+from inference import generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("gpu-check") / "gpu-dry-run.md"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == out
+    return out.read_text()
+
+
+def section(report: str, key: str) -> str:
+    """The text under one section's heading, up to the next heading."""
+    return report.split(gpu_check.SECTION_TITLES[key], 1)[1].split("\n## ", 1)[0]
+
+
+def test_dry_run_writes_all_four_sections_each_with_its_command(report):
+    for key in gpu_check.SECTION_TITLES:
+        assert "Command: `python scripts/gpu_check.py --dry-run --out " in section(report, key), key
+
+
+def test_dry_run_finds_the_tiny_models_exact_in_float32(report):
+    text = section(report, "exactness")
+    rows = [line for line in text.splitlines() if line.startswith("| float32 |")]
+    assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows), rows  # the EAGLE and Medusa rows
+    assert "- float32 exact: yes" in text
+
+
+def test_dry_run_reports_positive_speedups(report):
+    speed = [float(x) for x in re.findall(r"\| (\d+\.\d+)x \|", section(report, "speed"))]
+    scale = [float(x) for x in re.findall(r"\| (\d+\.\d+)x \|", section(report, "scale"))]
+    assert len(speed) == 10 and len(scale) == 2  # HF and 4 methods at batch 1 and 8; HF and the replayed loop
+    assert all(ratio > 0 for ratio in speed + scale)
+
+
+def test_dry_run_skips_the_sync_count_without_cuda(report):
+    assert "Needs CUDA: skipped on cpu" in section(report, "syncs")
+
+
+def test_replay_drafter_makes_every_step_accept_the_drawn_length():
+    model = tiny_model(eos=None)  # no EOS: every step decodes, and the last one exactly fills the budget
+    prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, prompt, 16)
+    continuation = torch.cat([prompt, torch.tensor(reference)])
+    drafter = gpu_check.ReplayDrafter(continuation, depth=4, vocab_size=model.config.vocab_size, lengths=(0, 0, 1))
+    out = generate(model, drafter, prompt, max_new_tokens=16, lookup=False, fallback=False)
+    assert out.token_ids == reference
+    # the prefill's token, then 5 steps of 2 accepted drafts and the target's own token
+    assert out.stats.target_forwards == 6 and out.stats.accepted_to_depth == [5, 5, 0, 0]
+    assert gpu_check.expected_accepted((0, 0, 1), depth=4) == 2 and gpu_check.expected_accepted((0, 0, 1), depth=1) == 1
+
+
+def test_sync_recorder_counts_sync_warnings_by_source_line():
+    """The sync section's bookkeeping, fed warnings like the ones torch.cuda.set_sync_debug_mode("warn") raises."""
+    recorder = gpu_check.SyncRecorder()
+    here = "tests/test_gpu_check.py"
+    with gpu_check.recorded_warnings(recorder):
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        line = sys._getframe().f_lineno - 1
+        warnings.warn("something else entirely", UserWarning, stacklevel=1)  # not a sync: not counted
+        warnings.warn_explicit(  # a sync inside a library: attributed to the line of ours that called it
+            "called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp:1.)",
+            UserWarning,
+            "/venv/lib/site-packages/transformers/masking_utils.py",
+            7,
+        )
+        library_call = sys._getframe().f_lineno - 6
+    assert recorder.count == 4
+    assert gpu_check.source_text(f"{here}:{line}").startswith('warnings.warn("called a synchronizing CUDA operation"')
+    assert recorder.sources.most_common() == [
+        ((f"{here}:{line}", ""), 3),
+        (("transformers/masking_utils.py:7", f"{here}:{library_call}"), 1),
+    ]
