@@ -11,12 +11,16 @@ from .drafters import (
     NoDrafter,
     OracleDrafter,
     PromptLookupDrafter,
+    SequenceDrafter,
     SequentialMedusaDrafter,
+    TokenDrafter,
     medusa_tree_spec,
 )
-from .generate import Generation, GenerationStats, generate
+from .generate import generate
+from .stats import Generation, GenerationStats
 from .target import load_target
-from .tree import DynamicTreeSpec, StaticTree, Tree, TreeError, best_static_paths, chain_paths, static_tree
+from .tree import StaticTree, Tree, TreeError, chain_paths, static_tree
+from .tree_size import DynamicTreeSpec, best_static_paths
 
 __all__ = [
     "Drafter",
@@ -31,8 +35,10 @@ __all__ = [
     "OracleDrafter",
     "PromptLookupDrafter",
     "Sampling",
+    "SequenceDrafter",
     "SequentialMedusaDrafter",
     "StaticTree",
+    "TokenDrafter",
     "Tree",
     "TreeError",
     "best_static_paths",

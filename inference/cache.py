@@ -120,6 +120,9 @@ def keep_paths(cache, cached: list[int], cache_length: int, paths: list[torch.Te
     """Move each row's accepted path (node indices into the block appended after `cache_length`) to the row's own
     end, crop the cache to the longest row, and return the rows' new committed lengths."""
     kept = [past + path.shape[0] for past, path in zip(cached, paths)]
+    if all(past == cache_length and int(path[-1]) == path.shape[0] - 1 for past, path in zip(cached, paths)):
+        cache.crop(max(kept) - cache.get_seq_length())  # every path is its block's first nodes: already in place
+        return kept
     device = paths[0].device
     rows = torch.cat([torch.full_like(path, row) for row, path in enumerate(paths)])
     target = torch.cat([torch.arange(past, past + path.shape[0], device=device) for past, path in zip(cached, paths)])

@@ -24,19 +24,18 @@ from pathlib import Path
 
 import torch
 
-from heads import EagleHead, EarlyExitHead, MedusaHeads, TargetFingerprint
+from heads import TargetFingerprint
 from heads.attention import grouped_attention
 from heads.files import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
 from .compiled import compiled_settings, decoding_pass, is_compiled, warm_up
-from .drafters import as_drafter, medusa_tree_spec
-from .tree import DynamicTreeSpec, PassCost, chain_inputs
+from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees
+from .loop import decode
+from .tree import chain_inputs
+from .tree_size import DynamicTreeSpec, PassCost
 
-TreeHead = (
-    EagleHead | EarlyExitHead | MedusaHeads
-)  # heads whose drafter grows its own trees, a level per head pass (Medusa: sequential ones)
 TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
 MEASUREMENT_VERSION = (
     6  # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and
@@ -87,7 +86,7 @@ def median_seconds(run, repeats: int) -> float:
 @torch.inference_mode()
 def measure(
     model,
-    head: TreeHead | None = None,
+    head: TrainedHeads | None = None,
     spec: DynamicTreeSpec | None = None,
     *,
     batch: int = 1,
@@ -177,9 +176,8 @@ LOOP_STEPS = 6  # steps timed a run, after two untimed (the first also feeds the
 
 @torch.inference_mode()
 def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.Tensor, rounds: int) -> list[float]:
-    """The median seconds of a step of the batch loop (inference.batch) drafting with `head` at each fixed tree
+    """The median seconds of a step of the decode loop (inference.loop) drafting with `head` at each fixed tree
     spec, over the rows of `prompts` [rows, length]; the runs interleaved in `rounds` (no row ever stops: no EOS)."""
-    from .batch import decode_batch  # batch imports the drafters, as this module does; only this function needs it
 
     rows = list(prompts)
     no_eos = torch.empty(0, dtype=torch.long, device=prompts.device)
@@ -190,7 +188,7 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
             # the head's own vocabulary: random text would add thousands of tokens a real prompt does not
             drafter = as_drafter(head, model, spec, context_vocab=False)
             # room for every timed step to draft as deep as the spec asks, however many tokens the ones before took
-            decode_batch(
+            decode(
                 model,
                 drafter,
                 rows,
@@ -205,7 +203,7 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
     return [statistics.median(spent) for spent in times]
 
 
-def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
+def cache_path(model, head: TrainedHeads | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
     head_id = None
     if head is not None:
         weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
@@ -229,7 +227,7 @@ def cache_path(model, head: TreeHead | None, spec: DynamicTreeSpec | None, batch
 
 def load_or_measure(
     model,
-    head: TreeHead | None = None,
+    head: TrainedHeads | None = None,
     spec: DynamicTreeSpec | None = None,
     *,
     batch: int = 1,
@@ -295,25 +293,22 @@ def calibration_batch(rows: int) -> int:
 def grown_tree_spec(head) -> DynamicTreeSpec | None:
     """The default tree of a head whose drafter grows it a level (a head pass) at a time, so that a level's cost is
     measured too: EAGLE, early exit, sequential Medusa. None for any other head (Medusa-1 drafts in one pass)."""
-    if isinstance(head, (EagleHead, EarlyExitHead)):
-        return DynamicTreeSpec()
-    if isinstance(head, MedusaHeads) and head.config.sequential:
-        return medusa_tree_spec(head)
-    return None
+    return drafter_class(head).default_tree(head) if grows_dynamic_trees(head) else None
 
 
 def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> DynamicTreeSpec | None:
     """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs, for
-    `batch` sequences decoded together."""
+    `batch` sequences decoded together. None when no trained head drafts."""
     candidates = heads if isinstance(heads, (list, tuple)) else [heads]
-    head = next((h for h in candidates if isinstance(h, (EagleHead, EarlyExitHead, MedusaHeads))), None)
+    head = next((h for h in candidates if drafter_class(h) is not None), None)
+    if head is None:
+        return None
     batch = calibration_batch(batch)
     spec = grown_tree_spec(head)
     if spec is not None:
         return replace(spec, cost=load_or_measure(model, head, spec, batch=batch, verbose=verbose))
-    if isinstance(head, MedusaHeads):
-        return medusa_tree_spec(head, cost=load_or_measure(model, batch=batch, verbose=verbose))
-    return None
+    # Medusa-1: its heads draft every depth in one pass, so only the target's passes are priced
+    return replace(drafter_class(head).default_tree(head), cost=load_or_measure(model, batch=batch, verbose=verbose))
 
 
 def main(argv=None) -> None:

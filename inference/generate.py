@@ -1,192 +1,34 @@
-"""The decode loop: draft a tree, verify it in ONE target pass, keep what the target itself would emit."""
+"""generate(): the call users make. It checks its arguments, turns heads, tree, lookup and fallback into a plan
+(`plan`), and runs the decode loop (inference.loop) over one prompt or a list of them."""
 
 from __future__ import annotations
 
 import inspect
-import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from heads.attention import GROUPED_SDPA, grouped_attention
 
-from .accept import Sampling, accept, target_tokens
-from .batch import decode_batch
-from .cache import keep_path, new_cache
+from .accept import Sampling
 from .calibrate import calibrated_tree
-from .compiled import decoding_pass, warm_up
+from .compiled import warm_up
 from .drafters import (
-    OWN_DRAFTERS,
-    TRAINED_HEADS,
     Drafter,
-    MergedDrafter,
     NoDrafter,
     PromptLookupDrafter,
-    TokenDrafter,
+    SequenceDrafter,
     as_drafter,
-    drafter_name,
     grows_dynamic_trees,
+    is_trained,
 )
 from .fallback import JUDGE, Fallback
-from .tree import Tree, attention_mask, position_ids, verifiable_tree
+from .loop import decode
+from .stats import Generation, GenerationStats
 
-
-@dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    target_forwards: int = 0  # the prefill included, so plain decoding has mean_accepted == 1
-    seconds: float = 0.0
-    target_seconds: float = 0.0  # inside the target's forward passes (host time: exact on CPU)
-    draft_seconds: float = 0.0  # inside drafter.propose / drafter.observe
-    tree_nodes: int = 0  # tokens verified over all decode steps (roots included, the prefill not)
-    time_to_first_token: float = 0.0  # seconds from the call to the first new token (the prefill)
-    plain_steps: int = 0  # decode steps the fallback took without drafting (drafting did not pay)
-    drafted_to_depth: list[int] = field(default_factory=list)  # [d]: steps whose tree reached depth d + 1
-    accepted_to_depth: list[int] = field(default_factory=list)  # [d]: steps that accepted d + 1 draft tokens or more
-
-    @property
-    def mean_accepted(self) -> float:
-        """Spec-Bench's tau: new tokens per target forward pass."""
-        return self.new_tokens / max(self.target_forwards, 1)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def time_per_output_token(self) -> float:
-        """Seconds per new token after the first (TPOT)."""
-        return (self.seconds - self.time_to_first_token) / max(self.new_tokens - 1, 1)
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """For each draft depth d: of the steps that drafted d tokens deep, the share that accepted d."""
-        return [accepted / drafted for accepted, drafted in zip(self.accepted_to_depth, self.drafted_to_depth)]
-
-    @property
-    def engine_seconds(self) -> float:
-        """The loop's own work: trees, masks, acceptance, cache compaction."""
-        return self.seconds - self.target_seconds - self.draft_seconds
-
-    def count_depths(self, drafted: int, accepted: int) -> None:
-        grow = drafted - len(self.drafted_to_depth)
-        if grow > 0:
-            self.drafted_to_depth += [0] * grow
-            self.accepted_to_depth += [0] * grow
-        for d in range(drafted):
-            self.drafted_to_depth[d] += 1
-            self.accepted_to_depth[d] += d < accepted
-
-    def as_dict(self) -> dict:
-        keys = (
-            "new_tokens",
-            "target_forwards",
-            "mean_accepted",
-            "seconds",
-            "tokens_per_second",
-            "time_to_first_token",
-            "time_per_output_token",
-            "target_seconds",
-            "draft_seconds",
-            "engine_seconds",
-            "tree_nodes",
-            "plain_steps",
-            "acceptance_by_depth",
-            "drafted_to_depth",
-            "accepted_to_depth",
-        )
-        return {key: getattr(self, key) for key in keys}
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]  # new tokens only, EOS included when generation stopped there
-    text: str | None
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-@dataclass
-class Decoding:
-    """What the loop carries from step to step: the committed tokens (a buffer filled up to `length`), the
-    target's KV cache, which holds every committed token but the last, and the running stats."""
-
-    model: torch.nn.Module
-    drafter: object
-    tokens: torch.Tensor
-    length: int
-    prompt_length: int
-    max_new_tokens: int
-    cache: object
-    stats: GenerationStats
-    eos: torch.Tensor
-    streamer: object = None
-
-    @property
-    def budget(self) -> int:
-        """How many more tokens may be committed."""
-        return self.max_new_tokens - (self.length - self.prompt_length)
-
-
-def forward(state: Decoding, run, input_ids: torch.Tensor, **kwargs):
-    """One target pass over `input_ids` on top of the cache through `run` (the model, or its compiled passes),
-    hidden states included when the drafter reads them."""
-    started = time.perf_counter()
-    out = run(
-        input_ids=input_ids[None],
-        cache=state.cache,
-        use_cache=True,
-        output_hidden_states=bool(state.drafter.hidden_layers),
-        **kwargs,
-    )
-    state.stats.target_seconds += time.perf_counter() - started
-    state.stats.target_forwards += 1
-    return out
-
-
-def prefill(state: Decoding):
-    """The prompt in one pass: the cache, the first token's logits and the hidden states the drafter reads. Eager:
-    every prompt's length differs, and it is one pass a prompt."""
-    return forward(state, state.model, state.tokens[: state.length], **_last_logit_only(state.model))
-
-
-def draft(state: Decoding, name: str) -> Tree:
-    """The drafter's tree for the next step, checked and cut to what may still be committed."""
-    started = time.perf_counter()
-    max_depth = state.budget - 1  # the target adds its own token after the deepest accepted draft
-    proposed = state.drafter.propose(state.tokens[: state.length], max_depth)
-    state.stats.draft_seconds += time.perf_counter() - started
-    return verifiable_tree(proposed, state.tokens[state.length - 1], state.model.config.vocab_size, max_depth, name)
-
-
-def verify(state: Decoding, tree: Tree):
-    """ONE target pass over the whole tree: each node sees the committed past and its own ancestors."""
-    past = state.length - 1  # the root is the last committed token; the target has not seen it yet
-    state.stats.tree_nodes += tree.size
-    mask = attention_mask(tree, past, state.model.dtype)
-    return forward(
-        state, decoding_pass(state.model), tree.tokens, position_ids=position_ids(tree, past), attention_mask=mask
-    )
-
-
-def commit(state: Decoding, new_tokens: torch.Tensor) -> bool:
-    """Append accepted tokens, stopping at EOS like model.generate(); True when generation is over."""
-    stops = torch.isin(new_tokens, state.eos).nonzero()
-    if stops.shape[0]:
-        new_tokens = new_tokens[: int(stops[0]) + 1]
-    state.tokens[state.length : state.length + new_tokens.shape[0]] = new_tokens
-    state.length += new_tokens.shape[0]
-    if state.streamer is not None:
-        state.streamer.put(new_tokens.cpu())
-    return bool(stops.shape[0]) or state.budget <= 0
-
-
-def observe(state: Decoding, hidden_states, rows, next_tokens: torch.Tensor) -> None:
-    """Tell the drafter what the target computed for the tokens it just committed."""
-    started = time.perf_counter()
-    state.drafter.observe({layer: hidden_states[layer][0, rows] for layer in state.drafter.hidden_layers}, next_tokens)
-    state.stats.draft_seconds += time.perf_counter() - started
+__all__ = ["Generation", "GenerationStats", "Plan", "generate", "plan"]
 
 
 @torch.inference_mode()
@@ -224,92 +66,38 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
     warm_up(model)  # a compiled model whose package is not ready: compiled (and said so) or loaded now
-    with grouped_attention(model):  # the same attention, without copying keys and values for every query head
-        if _is_batch(prompt_or_input_ids):
-            return _generate_batch(
-                model,
-                heads,
-                prompt_or_input_ids,
-                tokenizer,
-                max_new_tokens,
-                sampling,
-                tree,
-                lookup,
-                fallback,
-                seed,
-                batch_size,
-            )
-        return _generate_one(
-            model,
-            heads,
-            prompt_or_input_ids,
-            tokenizer,
-            max_new_tokens,
-            sampling,
-            tree,
-            lookup,
-            fallback,
-            seed,
-            streamer,
-        )
-
-
-def _generate_one(
-    model, heads, prompt_or_input_ids, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, streamer
-) -> Generation:
-    """generate() for one prompt."""
-    prompt = _prompt_ids(prompt_or_input_ids, tokenizer, model, max_new_tokens)
-    chosen = plan(model, heads, tree, lookup, fallback)
-    drafter, plain, clock = chosen.drafter, chosen.fallback, time.perf_counter
-    drafter.reset()
-    generator = torch.Generator(device=prompt.device).manual_seed(seed) if seed is not None else None
-    name = drafter_name(drafter)
+    batch = _is_batch(prompt_or_input_ids)
+    if batch and streamer is not None:
+        raise ValueError("a streamer follows one prompt; stream each prompt of a batch in its own call")
+    prompts = prompt_or_input_ids if batch else [prompt_or_input_ids]
+    for index, item in enumerate(prompts if batch else []):  # one prompt is checked by _prompt_ids
+        if isinstance(item, Mapping) and "input_ids" in item:
+            item = item["input_ids"]
+        if (isinstance(item, str) and not item.strip()) or (not isinstance(item, str) and len(item) == 0):
+            raise ValueError(f"prompt {index} of the batch is empty: give at least one token of text for every prompt")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
+    ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
+    rows = len(ids) if batch_size is None else min(batch_size, len(ids))
+    chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
+    generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
+    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
     if streamer is not None:
-        streamer.put(prompt[None].cpu())
-
-    start = clock()
-    tokens = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
-    tokens[: prompt.shape[0]] = prompt
-    state = Decoding(
-        model,
-        drafter,
-        tokens,
-        prompt.shape[0],
-        prompt.shape[0],
-        max_new_tokens,
-        new_cache(model),
-        GenerationStats(),
-        torch.tensor(_eos_ids(model), dtype=torch.long, device=prompt.device),
-        streamer,
-    )
-    out = prefill(state)
-    done = commit(state, target_tokens(out.logits[0, -1:], sampling, generator))
-    state.stats.time_to_first_token = clock() - start
-    if not done:
-        observe(state, out.hidden_states, slice(None), state.tokens[1 : state.length])
-    while not done:
-        started = clock()
-        drafting = plain.use_drafter()
-        step = draft(state, name) if drafting else Tree.chain(state.tokens[state.length - 1 : state.length])
-        out = verify(state, step)
-        path, new_tokens = accept(step, out.logits[0], sampling, generator)
-        keep_path(state.cache, state.length - 1, path, step.size)
-        done = commit(state, new_tokens)
-        if not done:
-            observe(state, out.hidden_states, path, new_tokens)
-        plain.record(drafting, new_tokens.shape[0], clock() - started)
-        state.stats.plain_steps += not drafting
-        state.stats.count_depths(step.max_depth, path.shape[0] - 1)
+        streamer.put(ids[0][None].cpu())
+    with grouped_attention(model):  # the same attention, without copying keys and values for every query head
+        decoded = decode(
+            model, chosen.drafter, ids, max_new_tokens, sampling, generators, eos, chosen.fallback, rows, streamer
+        )
     chosen.remember()
-
-    stats = state.stats
-    stats.seconds = clock() - start
-    stats.new_tokens = state.length - prompt.shape[0]
     if streamer is not None:
         streamer.end()
-    new = state.tokens[prompt.shape[0] : state.length].tolist()
-    text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else None
-    return Generation(new, text, stats)
+    results = []
+    for row in decoded:
+        row.stats.new_tokens = row.length - row.prompt_length
+        tokens = row.new_tokens.tolist()
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+        results.append(Generation(tokens, text, row.stats))
+    return results if batch else results[0]
 
 
 def _is_batch(prompts) -> bool:
@@ -321,51 +109,11 @@ def _is_batch(prompts) -> bool:
     )
 
 
-def _generate_batch(
-    model, heads, prompts, tokenizer, max_new_tokens, sampling, tree, lookup, fallback, seed, batch_size
-) -> list[Generation]:
-    """generate() for a list of prompts (inference.batch): one result per prompt, in order. One drafter built from
-    the shared heads drafts all rows at once; the fallback judges the whole batch, by its pace per row. A row's stats
-    count its own tokens, passes and nodes; their `seconds`, `draft_seconds` and `plain_steps` are the whole call's."""
-    for index, item in enumerate(prompts):
-        if isinstance(item, Mapping) and "input_ids" in item:
-            item = item["input_ids"]
-        if (isinstance(item, str) and not item.strip()) or (not isinstance(item, str) and len(item) == 0):
-            raise ValueError(f"prompt {index} of the batch is empty: give at least one token of text for every prompt")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
-    ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
-    rows = len(ids) if batch_size is None else min(batch_size, len(ids))
-    chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows))
-    drafter, plain = chosen.drafter, chosen.fallback
-    generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
-    started = time.perf_counter()
-    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
-    new_tokens, passes, nodes, draft_seconds, plain_steps = decode_batch(
-        model, drafter, ids, max_new_tokens, sampling, generators, eos, plain, rows
-    )
-    chosen.remember()
-    seconds = time.perf_counter() - started
-    results = []
-    for row, tokens in enumerate(new_tokens):
-        stats = GenerationStats(
-            new_tokens=len(tokens),
-            target_forwards=passes[row],
-            seconds=seconds,
-            tree_nodes=nodes[row],
-            draft_seconds=draft_seconds,
-            plain_steps=plain_steps,
-        )
-        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-        results.append(Generation(tokens, text, stats))
-    return results
-
-
 @dataclass
 class Plan:
     """What a generate() call decodes with, made from its arguments in one place (`plan`)."""
 
-    drafter: object  # proposes each step's tree (inference.drafters); NoDrafter: plain decoding
+    drafter: Drafter  # proposes each step's tree (inference.drafters); NoDrafter: plain decoding
     fallback: Fallback  # when to decode plainly instead (inference.fallback)
     head: object = None  # the trained heads drafting, whose fallback's verdict the next call starts from
 
@@ -394,21 +142,16 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
       as `rows` steps of one sequence), but never fewer than four, against plain decoding priced over two steps
       (a batch-8 step took 84 ms, the next 160)."""
     prompts, rows = batch or (1, 1)
-    stateful = [
-        d
-        for d in (heads if isinstance(heads, (list, tuple)) else [heads])
-        if isinstance(d, Drafter) and not isinstance(d, TokenDrafter)
-    ]
-    if stateful and prompts > 1:
+    listed = heads if isinstance(heads, (list, tuple)) else [heads]
+    single = [d for d in listed if isinstance(d, SequenceDrafter) and not d.serves_batches]
+    if single and prompts > 1:
         raise ValueError(
-            f"{type(stateful[0]).__name__} keeps the state of one sequence and cannot serve a batch; pass the loaded "
+            f"{type(single[0]).__name__} drafts for one sequence at a time and cannot serve a batch; pass the loaded "
             "heads (heads.load_heads) instead, and one drafter is built for the whole batch"
         )
     # measured once a machine (a line on stderr says so); python -m inference.calibrate measures ahead of time
     spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows, verbose=True)
-    head = next(
-        (h for h in (heads if isinstance(heads, (list, tuple)) else [heads]) if isinstance(h, TRAINED_HEADS)), None
-    )
+    head = next((h for h in listed if is_trained(h)), None)
     last_ratio = LAST_RATIO.get(head) if head is not None else None
     if batch is None:
         drafter = as_drafter(with_defaults(heads, lookup is not False), model, spec)
@@ -416,22 +159,15 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
         return Plan(drafter, Fallback(enabled=enabled, last_ratio=last_ratio), head)
     lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
-    if not isinstance(drafter, OWN_DRAFTERS):  # a foreign drafter is asked row by row, through a merge of one
-        drafter = MergedDrafter([drafter])
     enabled = fallback and not isinstance(drafter, NoDrafter)
     return Plan(drafter, Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2, last_ratio=last_ratio), head)
 
 
 def with_defaults(heads, lookup: bool):
     """A trained head alone gets prompt lookup merged into its tree when `lookup` is true."""
-    if lookup and isinstance(heads, TRAINED_HEADS):
+    if lookup and is_trained(heads):
         return [heads, PromptLookupDrafter()]
     return heads
-
-
-def _last_logit_only(model) -> dict:
-    """The prefill needs only the last position's logits (generate() does the same when it can)."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 # the kernels that honour an arbitrary additive 4D mask; GROUPED_SDPA: "sdpa" switched by another thread's call

@@ -36,7 +36,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import EarlyExitConfig, EarlyExitHead, load_heads  # noqa: E402
 from inference import DynamicTreeSpec, PromptLookupDrafter, generate, load_target, warm_up  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
-from inference.drafters import TRAINED_HEADS, as_drafter, medusa_tree_spec  # noqa: E402
+from inference.drafters import as_drafter, is_trained, medusa_tree_spec  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
@@ -124,7 +124,7 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
         medusa_tree = shaped(own)
 
     def ours(drafter, tree=None, lookup=False):
-        if args.no_context_vocab and isinstance(drafter, TRAINED_HEADS):
+        if args.no_context_vocab and is_trained(drafter):
             drafter = as_drafter(
                 [drafter, PromptLookupDrafter()] if lookup else drafter, model, tree, context_vocab=False
             )

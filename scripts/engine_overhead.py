@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from inference import NoDrafter, OracleDrafter, best_static_paths, chain_paths, generate, load_target  # noqa: E402
 from inference.calibrate import device_name  # noqa: E402
-from inference.tree import default_accuracy  # noqa: E402
+from inference.tree_size import default_accuracy  # noqa: E402
 
 
 def methods(chains, trees):

@@ -1,4 +1,4 @@
-"""generate() over a list of prompts (inference.batch): every row is what that prompt gives alone."""
+"""generate() over a list of prompts (inference.loop): every row is what that prompt gives alone."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from conftest import EOS, hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, PromptLookupDrafter, Tree, generate
-from inference.batch import prefill_inputs, tree_inputs
+from inference import DynamicTreeSpec, PromptLookupDrafter, SequenceDrafter, Tree, generate
+from inference.loop import prefill_inputs, tree_inputs
 from inference.numerics import near_tie
 from test_exactness_tiny import FP32_TIE_STEPS, first_divergence, random_prompts
 
@@ -191,11 +191,18 @@ def test_bad_batches_are_refused_clearly():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="batch_size must be a positive integer"):
             generate(model, None, [[5, 6], [7]], batch_size=bad)
-    eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
-    from inference import EagleDrafter
 
-    with pytest.raises(ValueError, match="keeps the state of one sequence"):
-        generate(model, EagleDrafter(eagle, model), [[5, 6], [7]])
+    class Counting(SequenceDrafter):  # a drafter of one sequence, with state
+        def reset(self, rows=1):
+            self.steps = 0
+
+        def propose(self, tokens, max_depth):
+            self.steps += 1
+            return Tree.chain(tokens[-1:])
+
+    with pytest.raises(ValueError, match="Counting drafts for one sequence at a time and cannot serve a batch"):
+        generate(model, Counting(), [[5, 6], [7]])
+    assert len(generate(model, Counting(), [5, 6], max_new_tokens=3).token_ids) == 3  # one sequence: fine
 
 
 def test_prefill_groups_keep_padding_small():

@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, calibrate, generate
-from inference.tree import PassCost
+from inference.tree_size import PassCost
 
 
 def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from inference import (
     warm_up,
 )
 from inference.compiled import decoding_pass, is_compiled, package_path
-from inference.tree import default_accuracy
+from inference.tree_size import default_accuracy
 from test_exactness_tiny import random_prompts
 
 NEW_TOKENS = 30

@@ -42,15 +42,16 @@ class CheckedEagleDrafter(EagleDrafter):
         self.seen.append(features.reshape(-1, features.shape[-1]).clone())
         return super()._log_probs(features)
 
-    def propose(self, tokens, max_depth):
+    def propose_rows(self, texts, max_depths):  # what the loop calls: one row here
+        (tokens,) = texts
         self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
         torch.testing.assert_close(
             self.last[0], recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4
         )
         self.seen = []
-        tree = super().propose(tokens, max_depth)
+        (tree,) = super().propose_rows(texts, max_depths)
         if tree.size == 1:  # nothing drafted at the last step
-            return tree
+            return [tree]
         seen = torch.cat(self.seen)
         lm_head = self.model.get_output_embeddings()
         for node in range(1, tree.size):
@@ -63,7 +64,7 @@ class CheckedEagleDrafter(EagleDrafter):
             # ... and the node is one of its top-k
             assert tree.tokens[node] in lm_head(expected).topk(self.spec.top_k).indices
             self.checked_nodes += 1
-        return tree
+        return [tree]
 
 
 def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
@@ -143,7 +144,8 @@ def test_a_trusted_lookup_span_keeps_the_head_at_depth_one():
         merged, lookup = _observed_drafters(model, head, tokens[:-1], trusted_ngram)
         with torch.no_grad():
             tree = merged.propose(tokens, max_depth=8)
-        assert lookup.trusted == head_limited
+        span, matched = lookup.span(tokens, 8)
+        assert span.shape[0] > 0 and lookup.trusts(matched) == head_limited
         chain = torch.tensor([7, 8, 9, 5, 6, 7])
         on_chain = torch.zeros(tree.size, dtype=torch.bool)
         for node in range(tree.size):  # a node is on the copied span when its path spells the span's prefix
@@ -179,11 +181,11 @@ def test_an_underconfident_head_is_trusted_more():
         EagleHead(EagleConfig.for_target(model.config)).eval(), model, DynamicTreeSpec(depth=2, top_k=2, nodes=3)
     )
     hidden = {layer: torch.zeros(3, model.config.hidden_size) for layer in drafter.hidden_layers}
-    drafter.guesses[0] = ([7, 3, 4, 5], [-1, 0, 0, 1], 1.0)  # a tree expected to get one draft accepted
+    drafter.rows[0].guess = ([7, 3, 4, 5], [-1, 0, 0, 1], 1.0)  # a tree expected to get one draft accepted
     drafter.observe(hidden, torch.tensor([3, 5, 9]))  # it got two: 3, then 5 below it (9 the target's own)
     assert drafter.reliability() == pytest.approx((0.9 + 2) / (0.9 + 1.0))  # decayed sums over a prior of one and one
     for _ in range(5):
-        drafter.guesses[0] = ([7, 3, 4, 5], [-1, 0, 0, 1], 0.1)
+        drafter.rows[0].guess = ([7, 3, 4, 5], [-1, 0, 0, 1], 0.1)
         drafter.observe(hidden, torch.tensor([3, 5, 9]))
     assert drafter.reliability() == MAX_RELIABILITY
 
@@ -255,9 +257,7 @@ def test_a_batch_weighs_copied_spans_against_the_drafts():
     with torch.no_grad():
         drafted = eagle.propose_rows(texts, [8, 8])  # the head alone
         _, eagle = _batch_drafters(model, head, texts, spec)
-        unlikely = eagle.propose_rows(
-            texts, [8, 8], [[(copying[3:], -50.0)], []]
-        )  # a span believed almost surely wrong
+        unlikely, _ = eagle.propose_grafted(texts, [8, 8], [[(copying[3:], -50.0)], []])  # believed surely wrong
         merged, _ = _batch_drafters(model, head, texts, spec)
         trees = merged.propose_rows(texts, [8, 8])  # a fresh row's spans are believed right half the time
     for tree, alone in zip(unlikely, drafted):

@@ -61,8 +61,9 @@ class CheckedEarlyExitDrafter(EarlyExitDrafter):
     """Checks at every step that the draft's cache holds the committed text only: its output for the root equals
     a fresh pass over the whole text, and the draft entries of the last proposal are gone."""
 
-    def propose(self, tokens, max_depth):
-        tree = super().propose(tokens, max_depth)
+    def propose_rows(self, texts, max_depths):  # what the loop calls: one row here
+        (tokens,) = texts
+        trees = super().propose_rows(texts, max_depths)
         assert self.cache.get_seq_length() == self.lengths[0] == tokens.shape[0]
         with torch.no_grad():
             fresh = self.head(tokens[None])[0, -1]
@@ -70,7 +71,7 @@ class CheckedEarlyExitDrafter(EarlyExitDrafter):
         # moves it by about 1 (the median over 50 random prefixes), so a cache bug fails at most of its steps
         torch.testing.assert_close(self.last[0], fresh, atol=1e-2, rtol=0)
         self.steps = getattr(self, "steps", 0) + 1
-        return tree
+        return trees
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen2", "eager")])

@@ -15,7 +15,7 @@ from inference import (
     medusa_tree_spec,
 )
 from inference.numerics import near_tie
-from inference.tree import PassCost, default_accuracy
+from inference.tree_size import PassCost, default_accuracy
 
 PROMPTS = 50
 NEW_TOKENS = 40

@@ -7,7 +7,7 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, chain_paths, generate
+from inference import DynamicTreeSpec, OracleDrafter, PromptLookupDrafter, SequenceDrafter, Tree, chain_paths, generate
 from inference.drafters import EagleDrafter, MedusaDrafter, MergedDrafter, NoDrafter
 from inference.fallback import Fallback
 
@@ -170,5 +170,12 @@ def test_one_plan_for_one_prompt_and_for_a_batch():
     assert isinstance(medusa_batch.drafter, MedusaDrafter) and not medusa_batch.fallback.enabled
     single_row = plan(model, medusa, [(0,), (0, 0)], None, True, batch=(1, 1))  # one prompt in a list: lookup too
     assert isinstance(single_row.drafter, MergedDrafter)
-    with pytest.raises(ValueError, match="keeps the state of one sequence"):
-        plan(model, one.drafter.drafters[0], None, None, True, batch=(2, 2))
+    assert isinstance(plan(model, one.drafter.drafters[0], None, None, True, batch=(2, 2)).drafter, EagleDrafter)
+
+    class OneSequence(SequenceDrafter):  # a drafter of one sequence, with state of its own
+        def propose(self, tokens, max_depth):
+            return Tree.chain(tokens[-1:])
+
+    with pytest.raises(ValueError, match="OneSequence drafts for one sequence at a time"):
+        plan(model, OneSequence(), None, None, True, batch=(2, 2))
+    assert isinstance(plan(model, OneSequence(), None, None, True).drafter, OneSequence)

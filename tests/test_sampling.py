@@ -18,7 +18,7 @@ from inference import Sampling, Tree, compile_target, generate
 from inference.accept import accepted_path, target_probabilities, target_tokens
 from inference.drafters import TokenDrafter
 
-engine = importlib.import_module("inference.generate")  # the module, not the function it exports
+engine = importlib.import_module("inference.loop")  # the decode loop, whose acceptance rule is patched
 VOCAB, NEW, COUNTS = 6, 3, (500, 3000)
 PROMPT = torch.tensor([1, 4, 2, 5, 0])
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

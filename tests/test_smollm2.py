@@ -14,7 +14,7 @@ import torch
 
 from heads import MedusaConfig, MedusaHeads
 from inference import OracleDrafter, PromptLookupDrafter, best_static_paths, generate, load_target, numerics
-from inference.tree import default_accuracy
+from inference.tree_size import default_accuracy
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS, PROMPTS = 64, 20

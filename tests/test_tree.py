@@ -7,25 +7,27 @@ from hypothesis import strategies as st
 
 from inference.drafters import span_outcome
 from inference.tree import (
-    DynamicTreeSpec,
-    PassCost,
     Tree,
     TreeError,
     attention_mask,
-    best_node_count,
-    best_shared_tree,
-    best_static_paths,
     chain_paths,
     check_parents,
-    default_accuracy,
     graft_span,
     matched_depth,
     merge_trees,
-    next_depth,
     position_ids,
     retrieve_indices,
     select_best_nodes,
     static_tree,
+)
+from inference.tree_size import (
+    DynamicTreeSpec,
+    PassCost,
+    best_node_count,
+    best_shared_tree,
+    best_static_paths,
+    default_accuracy,
+    next_depth,
 )
 
 
@@ -238,7 +240,7 @@ def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
 
 
 def test_sized_static_paths_keep_only_what_pays():
-    from inference.tree import PassCost, sized_static_paths
+    from inference.tree_size import PassCost, sized_static_paths
 
     accuracy = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
     best = best_static_paths(12, accuracy)
@@ -256,7 +258,7 @@ def test_sized_static_paths_keep_only_what_pays():
 
 
 def test_likeliest_paths_go_deep_when_sure_and_wide_when_hesitant():
-    from inference.tree import likeliest_paths
+    from inference.tree_size import likeliest_paths
 
     sure = [[0.95, 0.02, 0.02, 0.01]] * 4
     hesitant = [[0.3, 0.3, 0.2, 0.2]] * 4

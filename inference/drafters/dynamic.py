@@ -1,0 +1,425 @@
+"""EAGLE-2 dynamic trees from a drafter that keeps its own KV cache (the EAGLE head, the early exit, sequential
+Medusa heads): the trees grow level by level, one head pass a level for every row."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from heads import DraftVocabulary
+
+from ..cache import append_rows, keep_paths, keep_rows, position_cache
+from ..context_vocab import ContextVocabulary
+from ..padding import prefill_groups, right_padded_mask
+from ..tree import Tree, TreeError, additive_mask, graft_span, matched_depth, select_best_nodes, subtree
+from ..tree_size import DynamicTreeSpec, best_node_count, best_shared_tree, next_depth, token_rates
+from .base import Drafter, root_only
+
+RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
+MAX_RELIABILITY = 2.0  # an underconfident head's probabilities are at most doubled
+MAX_CANDIDATES = 1 << 14  # draft nodes scored per step; their ancestor matrix takes this squared in bytes (256 MiB)
+
+
+def drafted_nodes(levels: int, k: int) -> int:
+    """Nodes a tree holds after `levels` levels of EAGLE-2 growth, the root included: k children of the root, then
+    k children for each of the k frontier nodes a level."""
+    return 1 + k + (levels - 1) * k * k
+
+
+@dataclass
+class DraftRow:
+    """What a dynamic-tree drafter keeps of one sequence."""
+
+    level: int  # with a measured cost: how deep the row's next tree may grow
+    length: int = 0  # committed entries in the draft cache
+    # How far the drafter's probabilities hold on this sequence: decayed sums of the drafts its trees were expected
+    # to get accepted (the kept nodes' probabilities) and of those the target then committed (a prior of one
+    # expected and one accepted). `guess`: the last tree kept (tokens, parents, expected), till the target's answer.
+    guess: tuple | None = None
+    expected: float = 1.0
+    realised: float = 1.0
+
+
+class DynamicTreeDrafter(Drafter):
+    """EAGLE-2 dynamic trees from a drafter that keeps its own KV cache: grown depth by depth with tree attention
+    inside the drafter, each level expanding the `top_k` likeliest nodes by their path probability, then cut to
+    the `nodes` best (or, with a measured cost, to those that pay for their verification).
+
+    It drafts for every row at once, one head pass a level. The draft cache is ragged as the target's is
+    (inference.loop): row b holds its committed entries in [0, rows[b].length), entries past that are stale and
+    masked off. Draft entries are dropped after every proposal.
+
+    A subclass reads the committed texts into its cache (`_read_committed`, through `_append`, which leaves
+    `self.last` [rows, H], its output for each row's root) and expands a frontier of draft nodes (`_expand`, the
+    frontier `depth` levels deep: their outputs [rows, F, H]); outputs become draft logits through `self.vocab`.
+    """
+
+    def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str, context_vocab: bool = True):
+        if tree is not None and not isinstance(tree, DynamicTreeSpec):
+            raise TreeError(
+                f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}"
+            )
+        self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
+        k = min(self.spec.top_k, vocab.weight.shape[0])
+        candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
+        if candidates > MAX_CANDIDATES:
+            raise TreeError(
+                f"DynamicTreeSpec(depth={self.spec.depth}, top_k={self.spec.top_k}) scores {candidates:,} candidate "
+                f"nodes a step (more than {MAX_CANDIDATES:,}); EAGLE-2 uses top_k <= 10 and depth <= 8"
+            )
+
+    @classmethod
+    def default_tree(cls, heads) -> DynamicTreeSpec:
+        return DynamicTreeSpec()
+
+    @property
+    def vocab(self) -> DraftVocabulary:
+        """What the rows draft from now: the head's vocabulary and the tokens they have seen (ContextVocabulary)."""
+        return self.context.current
+
+    @property
+    def lengths(self) -> list[int]:
+        return [row.length for row in self.rows]
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        for row, length in zip(self.rows, lengths, strict=True):
+            row.length = length
+
+    def new_row(self) -> DraftRow:
+        """The state of a sequence that has just started."""
+        return DraftRow(level=self.spec.depth)
+
+    def reset(self, rows: int = 1) -> None:
+        self.context.reset(rows)
+        self.cache, self.last = position_cache(), None
+        self.rows = [self.new_row() for _ in range(rows)]
+
+    def add_rows(self, count: int) -> None:
+        """`count` new sequences join after the current rows; they are observed with the others at the next
+        observe_rows."""
+        self.context.add_rows(count)
+        if self.cache.get_seq_length():
+            empty = [
+                layer.keys.new_zeros(count, layer.keys.shape[1], 0, layer.keys.shape[3]) for layer in self.cache.layers
+            ]
+            append_rows(self.cache, empty, empty)
+        if self.last is not None:
+            self.last = torch.cat([self.last, self.last.new_zeros(count, self.last.shape[-1])])
+        self.rows += [self.new_row() for _ in range(count)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.cache.get_seq_length():
+            keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.last.device))
+        self.last = None if self.last is None else self.last[rows]
+        self.context.keep_rows(rows)
+        self.rows = [self.rows[row] for row in rows]
+        if self.cache.get_seq_length():
+            self.cache.crop(max(self.lengths, default=0) - self.cache.get_seq_length())
+
+    def reliability(self, row: int = 0) -> float:
+        """Accepted over expected drafts of this row's recent trees (at most MAX_RELIABILITY): below 1 an
+        overconfident head, above 1 an underconfident one, whose probabilities would keep trees too small."""
+        return min(MAX_RELIABILITY, self.rows[row].realised / self.rows[row].expected)
+
+    def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
+        for row, tokens in zip(self.rows, next_tokens):
+            if row.guess is not None:  # tokens: what the target committed after the root
+                tree_tokens, parents, expected = row.guess
+                row.expected = RELIABILITY_DECAY * row.expected + expected
+                row.realised = RELIABILITY_DECAY * row.realised + matched_depth(tree_tokens, parents, tokens.tolist())
+                row.guess = None
+
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _append(self, counts: list[int], run) -> None:
+        """Append counts[b] committed entries to each row's cache. `run(rows, positions [R, W], mask, cache)` runs
+        the head over rows `rows` (slice(None): all) of the right-padded block [rows, W], W = positions.shape[1],
+        writing to `cache` (mask None: the rows aligned, causal); each row's entries then sit at its own end, and
+        `self.last` becomes each row's newest output.
+
+        A row with nothing cached yet reads its whole prompt: such rows read in their own passes, grouped by
+        length as the target's prefill is, not padded to the prompt length together with rows reading a few tokens.
+        """
+        width = max(counts)
+        if width == 0:
+            return
+        start, device = self.cache.get_seq_length(), self.vocab.weight.device
+        index = torch.arange(width, device=device)
+        if all(n == start for n in self.lengths) and all(c == width for c in counts):
+            lengths = torch.tensor(self.lengths, device=device)
+            out = run(
+                slice(None), (lengths[:, None] + index).contiguous(), None, self.cache
+            )  # a single sequence always lands here
+            self.lengths, self.last = [n + width for n in self.lengths], out[:, -1]
+            return
+        fresh = [row for row, count in enumerate(counts) if count and not self.lengths[row]]
+        for group in prefill_groups([counts[row] for row in fresh]):
+            self._read_prompts([fresh[slot] for slot in group], counts, run)
+        counts = [0 if row in fresh else count for row, count in enumerate(counts)]
+        width = max(counts)
+        if width == 0:
+            return
+        start, lengths, index = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device), index[:width]
+        real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
+        committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
+        causal = index[:, None] >= index[None, :]
+        allowed = torch.cat(
+            [committed[:, None, :] & real[:, :, None], causal & real[:, None, :] & real[:, :, None]], dim=2
+        )
+        allowed[:, index, start + index] = True  # a padding entry sees only itself
+        out = run(
+            slice(None), lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None], self.cache
+        )
+        self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
+        newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
+        moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
+        self.last = torch.where(moved, newest, self.last)
+
+    def _read_prompts(self, rows: list[int], counts: list[int], run) -> None:
+        """Rows with nothing cached read their first counts[row] entries in one pass of their own (a cache of their
+        own, no past to attend to), which then fill the first entries of their rows of the draft cache."""
+        device = self.vocab.weight.device
+        lengths = torch.tensor([counts[row] for row in rows], device=device)
+        width = int(lengths.max())
+        own = position_cache()
+        positions = torch.arange(width, device=device).expand(len(rows), -1)
+        out = run(
+            torch.tensor(rows, device=device),
+            positions,
+            right_padded_mask(lengths, width, self.vocab.weight.dtype),
+            own,
+        )
+        total, missing = len(self.lengths), width - self.cache.get_seq_length()
+        for layer, entries in enumerate(own.layers):
+            if missing > 0:  # the cache grows to take them (every row: stale entries for the others, masked off)
+                shape = (total, entries.keys.shape[1], missing, entries.keys.shape[3])
+                self.cache.update(entries.keys.new_zeros(shape), entries.values.new_zeros(shape), layer)
+            self.cache.layers[layer].keys[rows, :, :width] = entries.keys
+            self.cache.layers[layer].values[rows, :, :width] = entries.values
+        if self.last is None:
+            self.last = out.new_zeros(total, out.shape[-1])
+        self.last[rows] = out[torch.arange(len(rows), device=device), lengths - 1]
+        for row in rows:
+            self.rows[row].length = counts[row]
+
+    def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.context.log_probs(self.vocab.logits(outputs))
+
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        """texts[b] is row b's committed text, its last token the root."""
+        grown = self._grow(texts, max_depths)
+        if grown is None:
+            return [root_only(text) for text in texts]
+        nodes, limits, k = grown
+        rows = len(texts)
+        if rows == 1 or self.spec.cost is None:
+            return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
+        levels, width = self._shared_tree(nodes, limits, k)
+        trees = [self._select(nodes, row, min(limits[row], levels), max_depths[row], k, width) for row in range(rows)]
+        if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped this step
+            for row in self.rows:
+                row.level = next_depth(levels, max(limits), self.spec.depth)
+        return trees
+
+    def propose_grafted(
+        self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list]
+    ) -> tuple[list[Tree], list[list[int]]]:
+        """propose_rows, with copied spans weighed against the drafts: spans[b] holds row b's (tokens, log-rate)
+        pairs (_select_grafted). Also returns, for each row's span, how many of its first tokens the drafts held."""
+        grown = self._grow(texts, max_depths)
+        if grown is None:  # no row may draft: every span is empty too (max_depth 0)
+            return [root_only(text) for text in texts], [[0] * len(row_spans) for row_spans in spans]
+        nodes, limits, k = grown
+        return self._select_grafted(nodes, limits, max_depths, k, spans)
+
+    def _grow(self, texts: list[torch.Tensor], max_depths: list[int]):
+        """Read the committed texts, then grow every row's tree as deep as the deepest row may go: (the DraftNodes,
+        each row's depth limit, the top-k a level), or None when no row may draft."""
+        self.context.read_texts(texts)
+        self._read_committed(texts)
+        limits = [min(row.level, depth) for row, depth in zip(self.rows, max_depths)]
+        deepest = max(limits)
+        if deepest < 1:
+            return None
+        rows, device = len(texts), self.last.device
+        k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
+        nodes = DraftNodes(torch.stack([text[-1] for text in texts]), drafted_nodes(deepest, k), self.vocab)
+        frontier = nodes.add_children(
+            torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
+        )
+        states, fed = self.last[:, None].expand(-1, k, -1), []
+        start, lengths = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device)
+        # each row's own committed entries
+        committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)
+        for level in range(1, deepest):
+            fed.append(frontier)
+            # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
+            allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
+            positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
+            out = self._expand(
+                level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions
+            )
+            children = nodes.add_children(frontier, self._log_probs(out), k)
+            # EAGLE-2: expand the likeliest
+            best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
+            frontier = children.gather(1, best)
+            states = out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
+        self.cache.crop(-sum(f.shape[1] for f in fed))
+        return nodes, limits, k
+
+    def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
+        """Row `row`'s first `count` drafts' log-probabilities, scaled by how far they have held (reliability)."""
+        return nodes.scores[row, 1:count] + math.log(max(self.reliability(row), 1e-6))
+
+    def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
+        """(levels, drafts a row keeps) for a batch, priced once for all rows (best_shared_tree): one pass verifies
+        every row padded to the widest tree, and the batch drafts as deep as its deepest row."""
+        believed = torch.full((len(limits), nodes.count - 1), float("-inf"), device=nodes.scores.device)
+        for row, limit in enumerate(limits):
+            if limit >= 1:
+                count = drafted_nodes(limit, k)
+                believed[row, : count - 1] = self._believed(nodes, row, count)
+        cost = self.spec.cost
+        return best_shared_tree(believed, nodes.depth[1 : nodes.count], cost, cost.draft_level, self.spec.nodes)
+
+    def _select(
+        self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None
+    ) -> Tree:
+        """Row `row`'s nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
+        cost those that pay for themselves (in a batch: `width`, the count priced for all rows)."""
+        if depth_limit < 1:
+            return root_only(nodes.tokens[row, :1])
+        count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
+        scores, depth = nodes.scores[row, :count], nodes.depth[:count]
+        keep_count = self.spec.nodes
+        if width is not None:
+            keep_count = width
+        elif self.spec.cost is not None:  # keep what pays for itself
+            cost = self.spec.cost
+            keep_count = best_node_count(
+                self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes
+            )
+        keep = select_best_nodes(scores, depth, keep_count)
+        tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
+        state = self.rows[row]
+        state.guess = (tree.tokens.tolist(), tree.parents.tolist(), float(scores[keep[1:]].exp().sum()))  # EAGLE-2's
+        if width is None and self.spec.cost is not None and max_depth >= state.level:  # not when the caller capped it
+            state.level = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
+        return tree
+
+    def _select_grafted(
+        self,
+        nodes: DraftNodes,
+        limits: list[int],
+        max_depths: list[int],
+        k: int,
+        spans: list[list],
+    ) -> tuple[list[Tree], list[list[int]]]:
+        """Each row's drafts and copied spans in one pool, every tree as wide as the batch's: the likeliest of
+        the pool, by the drafts' (scaled) probabilities and the spans' scores, as many as pay for their
+        verification (without a measured cost: spec.nodes). A span costs no drafting, and it displaces drafts
+        only where it is believed likelier, so a batch pays for no row's long span with a wider pass."""
+        levels = max(limits)
+        if self.spec.cost is not None:
+            levels, _ = self._shared_tree(nodes, limits, k)
+        pools, held = [], []
+        for row, row_spans in enumerate(spans):
+            depth_limit = min(limits[row], levels)
+            count = drafted_nodes(depth_limit, k) if depth_limit >= 1 else 1
+            believed = nodes.scores[row, :1]
+            if count > 1:
+                believed = torch.cat([believed, self._believed(nodes, row, count)])
+            pool = (
+                nodes.tokens[row, :count],
+                nodes.parents[row, :count],
+                nodes.depth[:count],
+                nodes.ancestors[row, :count, :count],
+                believed,
+            )
+            row_held = []
+            for span, log_rate in row_spans:
+                pool, shared = graft_span(*pool, span, log_rate)
+                row_held.append(shared)
+            pools.append((count, pool))
+            held.append(row_held)
+        width = self.spec.nodes
+        if self.spec.cost is not None:
+            believed = torch.full((len(pools), max(pool[4].shape[0] for _, pool in pools) - 1), float("-inf"))
+            for row, (_, pool) in enumerate(pools):
+                believed[row, : pool[4].shape[0] - 1] = pool[4][1:]
+            cost = self.spec.cost
+            width = int(token_rates(believed, cost, levels * cost.draft_level, self.spec.nodes).argmax())
+            if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped it
+                for row in self.rows:
+                    row.level = next_depth(levels, max(limits), self.spec.depth)
+        trees = []
+        for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
+            keep = select_best_nodes(believed, depth, width)
+            tree = subtree(tokens, parents, depth, ancestors, keep)
+            drafted = keep[keep < count]  # the head's reliability is judged by its own drafts only
+            guess = tree if drafted.shape[0] == keep.shape[0] else subtree(tokens, parents, depth, ancestors, drafted)
+            self.rows[row].guess = (
+                guess.tokens.tolist(),
+                guess.parents.tolist(),
+                float(nodes.scores[row, drafted[1:]].exp().sum()),
+            )
+            trees.append(tree)
+        return trees, held
+
+
+class DraftNodes:
+    """Trees being grown, one a row, in lockstep: node 0 is each root; children are appended level by level
+    (the same count a level in every row, so node i has the same depth in every row) with their path scores."""
+
+    def __init__(self, roots: torch.Tensor, capacity: int, vocab: DraftVocabulary):
+        rows, device = roots.shape[0], roots.device
+        self.vocab, self.count = vocab, 1
+        self.tokens = torch.empty(rows, capacity, dtype=torch.long, device=device)
+        self.parents = torch.empty_like(self.tokens)
+        self.depth = torch.empty(capacity, dtype=torch.long, device=device)
+        self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)  # log-probability of the path
+        self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
+        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
+            roots,
+            -1,
+            0,
+            0.0,
+            True,
+        )
+
+    def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
+        """Each frontier node's `k` likeliest children (frontier [rows, F], log_probs [rows, F, draft vocab]);
+        returns their indices [rows, F * k]."""
+        top = log_probs.topk(k, dim=-1)  # [rows, F, k]
+        rows, width = frontier.shape[0], frontier.shape[1] * k
+        children = torch.arange(self.count, self.count + width, device=self.tokens.device)
+        parents = frontier.repeat_interleave(k, dim=1)
+        self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
+        self.depth[children] = self.depth[parents[0]] + 1
+        self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + top.values).flatten(1)
+        self.ancestors[:, children] = self.ancestors.gather(
+            1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])
+        )
+        self.ancestors[:, children, children] = True
+        self.count += width
+        return children.expand(rows, -1)
+
+    def ancestors_among(self, nodes: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+        """[rows, N, M]: whether among[b, m] is an ancestor of nodes[b, n] (or the node itself)."""
+        own = self.ancestors.gather(1, nodes[..., None].expand(-1, -1, self.ancestors.shape[2]))
+        return own.gather(2, among[:, None, :].expand(-1, nodes.shape[1], -1))

@@ -1,0 +1,59 @@
+"""The early-exit draft as a drafter: the target's own first layers (with a LoRA adapter) grow EAGLE-2 trees."""
+
+from __future__ import annotations
+
+import torch
+
+from heads import DraftVocabulary, EarlyExitHead
+
+from ..tree_size import DynamicTreeSpec
+from .base import check_head_fits
+from .dynamic import DraftNodes, DynamicTreeDrafter
+
+
+class EarlyExitDrafter(DynamicTreeDrafter):
+    """EAGLE-2 dynamic trees from the target's own first layers (heads.early_exit): a draft node's input is
+    its token alone, at its position, over the early layers' own cache of the committed text.
+
+    The cache is the draft's own, not the target's: with an adapter the early layers' keys and values differ
+    from the target's, and draft positions must never enter the target's cache. `propose` first runs the
+    tokens committed since the last proposal (the root last) through the early layers in one pass.
+    """
+
+    def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
+        check_head_fits(head, model, "this early-exit head")
+        super().__init__(
+            DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab
+        )
+        self.head = head
+        self.reset()
+
+    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+        # the committed text only grows: what the cache holds stays valid
+        counts = [text.shape[0] - length for text, length in zip(texts, self.lengths)]
+        if not any(counts):
+            return
+        new = torch.zeros(
+            len(texts), max(counts), dtype=torch.long, device=texts[0].device
+        )  # padding reads token 0, masked off
+        for row, (text, length) in enumerate(zip(texts, self.lengths)):
+            new[row, : text.shape[0] - length] = text[length:]
+        self._append(
+            counts,
+            lambda rows, positions, mask, cache: self.head(
+                new[rows, : positions.shape[1]], position_ids=positions, attention_mask=mask, cache=cache
+            ),
+        )
+
+    def _expand(
+        self,
+        depth: int,
+        nodes: DraftNodes,
+        frontier: torch.Tensor,
+        states: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.head(
+            nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache
+        )

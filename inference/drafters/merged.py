@@ -1,0 +1,143 @@
+"""Several drafters' trees merged into ONE tree a row, verified in the same target pass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..tree import Tree, merge_trees, verifiable_tree
+from .base import Drafter, SequenceDrafter, TokenDrafter, drafter_name
+from .dynamic import RELIABILITY_DECAY, DynamicTreeDrafter
+from .lookup import PromptLookupDrafter
+
+SPAN_PRIOR = (1.0, 2.0)  # (tokens held, tokens tried): a row's first copied tokens are believed right half the time
+
+
+class MergedDrafter(Drafter):
+    """Drafters that read only tokens propose first. For one sequence, their spans are merged whole into the
+    head's tree, and when prompt lookup's span follows a long enough match (PromptLookupDrafter.trusts) the
+    drafters with heads draft one level only: their depth-1 candidates cost a projection, deeper levels cost head
+    passes, and beside a trusted span they rarely win a token. In a batch, where every row's tree is padded to the
+    widest, a head that grows dynamic trees weighs each row's spans against its drafts instead (graft_span):
+    the tokens a span adds to the head's drafts are scored by how often the tokens such spans added have been
+    right on this row (by the length of the n-gram matched; SPAN_PRIOR, decayed as the head's reliability is),
+    and the row keeps its likeliest nodes of both.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        if not drafters:
+            raise ValueError("MergedDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+        self.hidden_layers = tuple(sorted({layer for d in self.drafters for layer in d.hidden_layers}))
+        self.token_drafters = [d for d in self.drafters if isinstance(d, TokenDrafter)]
+        self.head_drafters = [d for d in self.drafters if not isinstance(d, TokenDrafter)]
+        self.grafts = (
+            len(self.head_drafters) == 1
+            and isinstance(self.head_drafters[0], DynamicTreeDrafter)
+            and all(isinstance(d, PromptLookupDrafter) for d in self.token_drafters)
+        )
+        self.span_rates, self.pending = [], []
+
+    def reset(self, rows: int = 1) -> None:
+        for drafter in self.drafters:
+            drafter.reset(rows)
+        # per row: {(token drafter, n-gram length): [decayed tokens that held, decayed tokens tried]}, and the
+        # spans of its last step, till the target's answer
+        self.span_rates, self.pending = [{} for _ in range(rows)], [[] for _ in range(rows)]
+
+    def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
+        for drafter in self.drafters:
+            drafter.observe_rows(hidden, next_tokens)
+        for row, tokens in enumerate(next_tokens):
+            if self.pending[row]:
+                committed = tokens.tolist()
+                for key, span, shared in self.pending[row]:
+                    if span[:shared] != committed[:shared]:
+                        continue  # the span's tokens the drafts held were wrong: nothing learnt of the tokens it added
+                    held, tried = span_outcome(span[shared:], committed[shared:])
+                    rate = self.span_rates[row].setdefault(key, list(SPAN_PRIOR))
+                    rate[0] = RELIABILITY_DECAY * rate[0] + held
+                    rate[1] = RELIABILITY_DECAY * rate[1] + tried
+                self.pending[row] = []
+
+    def keep_rows(self, rows: list[int]) -> None:
+        for drafter in self.drafters:
+            drafter.keep_rows(rows)
+        self.span_rates, self.pending = [self.span_rates[row] for row in rows], [self.pending[row] for row in rows]
+
+    def add_rows(self, count: int) -> None:
+        for drafter in self.drafters:
+            drafter.add_rows(count)
+        self.span_rates += [{} for _ in range(count)]
+        self.pending += [[] for _ in range(count)]
+
+    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        if self.grafts and len(texts) > 1:
+            return self._propose_grafted(texts, max_depths)
+        spans, head_depths = [], []
+        for text, max_depth in zip(texts, max_depths):  # token drafters are asked row by row: trust is per row
+            row_spans, trusted = [], False
+            for drafter in self.token_drafters:
+                if isinstance(drafter, PromptLookupDrafter):
+                    span, matched = drafter.span(text, max_depth)
+                    trusted |= span.shape[0] > 0 and drafter.trusts(matched)
+                    row_spans.append(Tree.chain(torch.cat([text[-1:], span])))
+                else:
+                    row_spans.append(_checked(drafter, [text], [max_depth])[0])
+            spans.append(row_spans)
+            head_depths.append(min(1, max_depth) if trusted else max_depth)
+        heads = [_checked(d, texts, head_depths) for d in self.head_drafters]  # each head drafts all rows at once
+        merged = []
+        for row in range(len(texts)):
+            trees = [head_trees[row] for head_trees in heads] + spans[row]
+            tree = trees[0]
+            for other in trees[1:]:
+                tree = merge_trees(tree, other)
+            merged.append(tree)
+        return merged
+
+    def _propose_grafted(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+        """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
+        spans, keys = [], []  # per row: (span, log-rate) pairs for the head, and each span's rate key
+        for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
+            spans.append([])
+            keys.append([])
+            for index, drafter in enumerate(self.token_drafters):
+                span, matched = drafter.span(text, max_depth)
+                if span.shape[0]:
+                    keys[-1].append((index, matched))
+                    held, tried = self.span_rates[row].get(keys[-1][-1], SPAN_PRIOR)
+                    spans[-1].append((span, math.log(held / tried)))
+        trees, held = self.head_drafters[0].propose_grafted(texts, max_depths, spans)
+        # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
+        # rest)
+        self.pending = [
+            [(key, span.tolist(), shared) for key, (span, _), shared in zip(row_keys, row_spans, row_held, strict=True)]
+            for row_keys, row_spans, row_held in zip(keys, spans, held, strict=True)
+        ]
+        return trees
+
+
+def _checked(drafter: Drafter, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    """The loop checks the merged tree; a tree from a drafter written outside this package is checked first, so that
+    an error names that drafter."""
+    trees = drafter.propose_rows(texts, max_depths)
+    if isinstance(drafter, SequenceDrafter) and not type(drafter).__module__.startswith(__package__):
+        trees = [
+            verifiable_tree(tree, text[-1], None, depth, drafter_name(drafter))
+            for tree, text, depth in zip(trees, texts, max_depths)
+        ]
+    return trees
+
+
+def span_outcome(span: list[int], committed: list[int]) -> tuple[int, int]:
+    """(tokens that held, tokens tried) of a copied span against what the target committed: its tokens are tried
+    in order until one is wrong; those past the committed tokens are not known yet and count for neither."""
+    held = 0
+    for copied, chosen in zip(span, committed):
+        if copied != chosen:
+            return held, held + 1
+        held += 1
+    return held, held

@@ -1,0 +1,340 @@
+"""The decode loop: each step drafts a tree for every row, ONE target pass verifies all of them, and each row keeps
+what the target itself would emit. One prompt is a batch of one row.
+
+The target's cache holds, for row b, its committed tokens but the last in entries [0, cached[b]); entries past that
+are stale (a shorter row's padding, rejected drafts) and every query is masked off them. A step appends all rows'
+trees at the same cache index (padded to the largest tree; a padding node sees only itself, so nothing is ever
+computed from nothing); each row's accepted path then moves to its own `cached[b]`, and the cache is cropped to the
+longest row. Rows that finish leave the batch and stop costing work; while prompts wait beyond the batch size, the
+next ones are prefilled and join it (their cache rows appended, padded with masked entries).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
+from .cache import append_rows, keep_paths, keep_rows, new_cache
+from .compiled import decoding_pass
+from .drafters import Drafter, drafter_name
+from .fallback import Fallback
+from .padding import prefill_groups, right_padded_mask
+from .stats import GenerationStats
+from .tree import Tree, additive_mask, verifiable_tree
+
+
+@dataclass
+class Row:
+    """One prompt's sequence: its text (prompt, then new tokens) in a buffer of its final size, filled to `length`."""
+
+    text: torch.Tensor
+    length: int
+    prompt_length: int
+    generator: torch.Generator | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    cached: int = 0  # entries of its committed tokens (all but the last) in the target's cache
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.text[self.prompt_length : self.length]
+
+
+@dataclass
+class Decoding:
+    """What the loop carries from step to step."""
+
+    model: torch.nn.Module
+    drafter: Drafter
+    fallback: Fallback
+    sampling: Sampling
+    eos: torch.Tensor
+    max_new_tokens: int
+    batch_size: int
+    rows: list[Row]  # every prompt's, in the prompts' order
+    waiting: list[int]  # prompts not started yet, in order
+    streamer: object = None  # one prompt only: receives the tokens as they are committed
+    active: list[int] = field(default_factory=list)  # the rows decoding, in the cache's row order
+    cache: object = None
+    to_observe: tuple[list, list] = field(
+        default_factory=lambda: ([], [])
+    )  # hidden states and committed tokens the drafter has not seen yet
+    started: float = field(default_factory=time.perf_counter)
+
+    def budget(self, row: Row) -> int:
+        """How many more tokens the row may commit."""
+        return self.max_new_tokens - (row.length - row.prompt_length)
+
+
+def decode(
+    model,
+    drafter: Drafter,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    sampling: Sampling,
+    generators: list,
+    eos: torch.Tensor,
+    fallback: Fallback,
+    batch_size: int,
+    streamer=None,
+) -> list[Row]:
+    """Decode every prompt (1-D token ids), at most `batch_size` at once; returns their rows, in order."""
+    rows = []
+    for prompt, generator in zip(prompts, generators, strict=True):
+        text = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
+        text[: prompt.shape[0]] = prompt
+        rows.append(Row(text, prompt.shape[0], prompt.shape[0], generator))
+    state = Decoding(
+        model, drafter, fallback, sampling, eos, max_new_tokens, batch_size, rows, list(range(len(rows))), streamer
+    )
+    drafter.reset(0)
+    while True:
+        admit(state)
+        if not state.active:
+            return rows
+        step_started = time.perf_counter()  # a step's time includes the drafter reading the last step's tokens
+        observe(state)
+        drafting = state.fallback.use_drafter()
+        trees = (
+            draft(state) if drafting else [Tree.chain(row.text[row.length - 1 : row.length]) for row in _active(state)]
+        )
+        out = verify(state, trees)
+        tokens_before = sum(row.length for row in _active(state))
+        going = accept_step(state, trees, out, drafting)
+        # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
+        committed = (sum(row.length for row in _active(state)) - tokens_before) / len(state.active)
+        state.fallback.record(drafting, committed, time.perf_counter() - step_started)
+        retire(state, going)
+
+
+def _active(state: Decoding) -> list[Row]:
+    return [state.rows[index] for index in state.active]
+
+
+def commit(state: Decoding, row: Row, new: torch.Tensor) -> bool:
+    """Append accepted tokens, stopping at EOS like model.generate() and at max_new_tokens; True when the row is
+    done."""
+    stops = torch.isin(new, state.eos).nonzero()
+    if stops.shape[0]:
+        new = new[: int(stops[0]) + 1]
+    new = new[: state.budget(row)]
+    row.text[row.length : row.length + new.shape[0]] = new
+    row.length += new.shape[0]
+    if state.streamer is not None:
+        state.streamer.put(new.cpu())
+    row.stats.seconds = time.perf_counter() - state.started
+    return bool(stops.shape[0]) or state.budget(row) <= 0
+
+
+def admit(state: Decoding) -> None:
+    """While there is room in the batch and prompts wait: prefill the next ones, commit each one's first token, and
+    add those that go on to the batch (their cache rows, and the drafter's)."""
+    while state.waiting and len(state.active) < state.batch_size:
+        room = state.batch_size - len(state.active)
+        joining, state.waiting = state.waiting[:room], state.waiting[room:]
+        rows = [state.rows[index] for index in joining]
+        started = time.perf_counter()
+        cache, last_logits, hidden = prefill(state.model, [row.text[: row.length] for row in rows], state.drafter)
+        spent = time.perf_counter() - started
+        going = []
+        for slot, row in enumerate(rows):
+            row.stats.target_seconds += spent
+            row.stats.target_forwards += 1
+            first = target_tokens(last_logits[slot][None], state.sampling, row.generator)
+            if not commit(state, row, first):
+                going.append(slot)
+            row.stats.time_to_first_token = time.perf_counter() - state.started
+        if not going:  # every one of them ended at its first token
+            continue
+        if len(going) < len(rows):
+            keep_rows(cache, torch.tensor(going, device=last_logits.device))
+            cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
+        if state.active:
+            append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        else:
+            state.cache = cache
+        for slot in going:
+            rows[slot].cached = rows[slot].prompt_length
+            state.to_observe[0].append(hidden[slot])
+            state.to_observe[1].append(rows[slot].text[1 : rows[slot].length])
+        state.active += [joining[slot] for slot in going]
+        _timed(state, state.drafter.add_rows, len(going))
+        state.fallback.prompt_joined()
+
+
+def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dtype):
+    """Right-padded prompts: input_ids [B, P], position_ids [B, P] and an additive mask [B, 1, P, P] (causal
+    within each prompt; a padding position sees only itself), or None when no prompt is padded (the model's own
+    causal mask: a long prompt's mask would take P * P numbers)."""
+    lengths = torch.tensor([p.shape[0] for p in prompts], device=prompts[0].device)
+    width = int(lengths.max())
+    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=lengths.device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : prompt.shape[0]] = prompt
+    positions = torch.arange(width, device=lengths.device).expand(len(prompts), -1)
+    aligned = bool((lengths == width).all())
+    return ids, positions, None if aligned else right_padded_mask(lengths, width, dtype)
+
+
+def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
+    """Every prompt through the target, in groups of similar lengths (prefill_groups): returns the batch's cache
+    (row b's prompt in entries [0, len_b)), each prompt's last logits [B, V], and each row's hidden states at the
+    drafter's layers ({layer: [len_b, H]}). Eager: every prompt's length differs, and it is one pass a prompt."""
+    layers = drafter.hidden_layers
+    lengths = [p.shape[0] for p in prompts]
+    width, count = max(lengths), len(prompts)
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    keys, values, last_logits, hidden = None, None, [None] * count, [None] * count
+    for group in prefill_groups(lengths):
+        ids, positions, mask = prefill_inputs([prompts[row] for row in group], int(prompts[0][0]), model.dtype)
+        ends = torch.tensor([lengths[row] - 1 for row in group], device=ids.device)
+        last = ends.unique()  # sorted: only the prompts' last logits are computed
+        group_cache = new_cache(model)
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=group_cache,
+            use_cache=True,
+            output_hidden_states=bool(layers),
+            **({"logits_to_keep": last} if takes_keep else {}),
+        )
+        columns = torch.searchsorted(last, ends) if takes_keep else ends
+        if keys is None:  # the batch's cache, filled group by group
+            keys = [
+                layer.keys.new_zeros(count, layer.keys.shape[1], width, layer.keys.shape[3])
+                for layer in group_cache.layers
+            ]
+            values = [
+                layer.values.new_zeros(count, layer.values.shape[1], width, layer.values.shape[3])
+                for layer in group_cache.layers
+            ]
+        index = torch.tensor(group, device=ids.device)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            k[index, :, : ids.shape[1]] = group_cache.layers[layer].keys
+            v[index, :, : ids.shape[1]] = group_cache.layers[layer].values
+        for slot, row in enumerate(group):
+            last_logits[row] = out.logits[slot, columns[slot]]
+            hidden[row] = {layer: out.hidden_states[layer][slot, : lengths[row]] for layer in layers}
+    cache = new_cache(model)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
+    return cache, torch.stack(last_logits), hidden
+
+
+def observe(state: Decoding) -> None:
+    """Tell the drafter what the target computed for the tokens each row committed since it last drafted."""
+    hidden, tokens = state.to_observe
+    if tokens:
+        _timed(state, state.drafter.observe_rows, hidden, tokens)
+        state.to_observe = ([], [])
+
+
+def draft(state: Decoding) -> list[Tree]:
+    """Each row's tree for this step, checked and cut to what the row may still commit (the target adds its own
+    token after the deepest accepted draft)."""
+    rows = _active(state)
+    depths = [state.budget(row) - 1 for row in rows]
+    proposed = _timed(state, state.drafter.propose_rows, [row.text[: row.length] for row in rows], depths)
+    name, vocab = drafter_name(state.drafter), state.model.config.vocab_size
+    return [
+        verifiable_tree(tree, row.text[row.length - 1], vocab, depth, name)
+        for tree, row, depth in zip(proposed, rows, depths)
+    ]
+
+
+def verify(state: Decoding, trees: list[Tree]):
+    """ONE target pass over every row's tree: each node sees its row's committed past and its own ancestors."""
+    rows = _active(state)
+    ids, positions, mask = tree_inputs(
+        trees, [row.cached for row in rows], state.cache.get_seq_length(), int(rows[0].text[0]), state.model.dtype
+    )
+    started = time.perf_counter()
+    out = decoding_pass(state.model)(
+        input_ids=ids,
+        position_ids=positions,
+        attention_mask=mask,
+        cache=state.cache,
+        use_cache=True,
+        output_hidden_states=bool(state.drafter.hidden_layers),
+    )
+    spent = time.perf_counter() - started
+    for row, tree in zip(rows, trees):
+        row.stats.target_seconds += spent
+        row.stats.target_forwards += 1
+        row.stats.tree_nodes += tree.size
+    return out
+
+
+def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_token: int, dtype: torch.dtype):
+    """One verification pass for every row's tree, appended after `cache_length` cache entries.
+
+    Returns input_ids [B, N], position_ids [B, N] and an additive mask [B, 1, N, cache_length + N]: row b's node
+    sees the row's own committed entries ([0, cached[b])), itself and its ancestors; padding nodes see only
+    themselves (any real token pads: padding is masked off everywhere)."""
+    device = trees[0].tokens.device
+    width = max(tree.size for tree in trees)
+    ids = torch.full((len(trees), width), pad_token, dtype=torch.long, device=device)
+    positions = torch.zeros((len(trees), width), dtype=torch.long, device=device)
+    allowed = torch.zeros((len(trees), width, cache_length + width), dtype=torch.bool, device=device)
+    nodes = torch.arange(width, device=device)
+    allowed[:, nodes, cache_length + nodes] = True
+    for row, (tree, past) in enumerate(zip(trees, cached)):
+        n = tree.size
+        ids[row, :n] = tree.tokens
+        positions[row, :n] = tree.depth + past
+        positions[row, n:] = past
+        allowed[row, :n, :past] = True
+        allowed[row, :n, cache_length : cache_length + n] = tree.ancestors
+    return ids, positions, additive_mask(allowed, dtype)[:, None]
+
+
+def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool) -> list[int]:
+    """Each row's accepted path and new tokens: committed, their cache entries moved into place, and their hidden
+    states kept for the drafter. Returns the slots of the rows that go on."""
+    rows = _active(state)
+    greedy = greedy_tokens(out.logits) if state.sampling.greedy else None  # [B, N]: one argmax for all rows
+    paths, going = [], []
+    for slot, (row, tree) in enumerate(zip(rows, trees)):
+        if greedy is not None:
+            path, new = accept_chosen(tree, greedy[slot, : tree.size])
+        else:
+            path, new = accept(tree, out.logits[slot, : tree.size], state.sampling, row.generator)
+        paths.append(path)
+        row.stats.plain_steps += not drafting
+        row.stats.count_depths(tree.max_depth, path.shape[0] - 1)
+        if not commit(state, row, new):
+            going.append(slot)
+            state.to_observe[0].append(
+                {layer: out.hidden_states[layer][slot, path] for layer in state.drafter.hidden_layers}
+            )
+            state.to_observe[1].append(new)
+    cache_length = state.cache.get_seq_length() - max(tree.size for tree in trees)  # before this step's trees
+    cached = keep_paths(state.cache, [row.cached for row in rows], cache_length, paths)
+    for row, length in zip(rows, cached):
+        row.cached = length
+    return going
+
+
+def retire(state: Decoding, going: list[int]) -> None:
+    """Only the rows in `going` (slots of the active rows) stay in the batch, the cache and the drafter."""
+    if len(going) == len(state.active):
+        return
+    state.active = [state.active[slot] for slot in going]
+    if going:
+        keep_rows(state.cache, torch.tensor(going, device=state.cache.layers[0].keys.device))
+        state.cache.crop(max(row.cached for row in _active(state)) - state.cache.get_seq_length())
+        _timed(state, state.drafter.keep_rows, going)
+
+
+def _timed(state: Decoding, work, *args):
+    """Run drafter work, its time counted for every active row."""
+    started = time.perf_counter()
+    result = work(*args)
+    spent = time.perf_counter() - started
+    for row in _active(state):
+        row.stats.draft_seconds += spent
+    return result

@@ -1,0 +1,178 @@
+"""How large a tree pays on this machine: the likeliest paths given per-depth accuracies, what a pass costs
+(PassCost, measured by inference.calibrate), how many drafts maximise tokens per unit of time, and the spec of an
+EAGLE-2 dynamic tree. Pure functions over numbers and tensors, tested in tests/test_tree.py."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TreeError
+
+
+def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:
+    """The `num_nodes` paths with the highest probability of being accepted, given accuracy[d][r]: the
+    chance that candidate r at depth d + 1 is the right token (Medusa's sparse-tree construction). A child
+    is never likelier than its parent, so best-first expansion keeps the set prefix-closed."""
+    frontier = [
+        (-a, (r,)) for r, a in enumerate(accuracy[0]) if a > 0
+    ]  # a path that cannot be accepted (or NaN) is never drafted
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_p, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):
+            for r, a in enumerate(accuracy[len(path)]):
+                if a > 0:
+                    heapq.heappush(frontier, (neg_p * a, path + (r,)))
+    return chosen
+
+
+def default_accuracy(depth: int, ranks: int, top1: float = 0.6, decay: float = 0.8) -> list[list[float]]:
+    """A plausible accuracy[d][r] for an untrained-shape prior: top-1 falling with depth, a long tail."""
+    out = []
+    for d in range(depth):
+        first = top1 * decay**d
+        rest = [(1 - first) * 0.3 * 0.5**r for r in range(ranks - 1)]
+        out.append([first, *rest])
+    return out
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What one step costs on this machine, relative to a one-token target pass (inference.calibrate).
+
+    `relative[i]` is a target pass over `tokens[i]` tokens (tokens[0] == 1, so relative[0] == 1); beyond the
+    last measurement the cost grows along the last measured slope. `draft_level` is one level of drafting;
+    `draft_step` what a drafting step costs whatever its depth and width (the head reading the tokens the last
+    step committed, the loop accepting and moving cache entries), which every step pays, so it weighs for larger
+    trees: they spread it over more tokens.
+    """
+
+    tokens: tuple[int, ...]
+    relative: tuple[float, ...]
+    draft_level: float = 0.0
+    draft_step: float = 0.0
+
+    def __post_init__(self):
+        if (
+            not self.tokens
+            or self.tokens[0] != 1
+            or len(self.tokens) != len(self.relative)
+            or list(self.tokens) != sorted(set(self.tokens))
+        ):
+            raise TreeError(
+                f"PassCost needs ascending token counts starting at 1, one cost each; got {self.tokens}, "
+                f"{self.relative}"
+            )
+
+    def __call__(self, k: int) -> float:
+        t, c = self.tokens, self.relative
+        if len(t) == 1:
+            return c[0] * k
+        i = min(max(bisect.bisect_left(t, k), 1), len(t) - 1)  # interpolate between t[i - 1] and t[i]
+        return c[i - 1] + (c[i] - c[i - 1]) * (k - t[i - 1]) / (t[i] - t[i - 1])
+
+
+def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> int:
+    """How many drafts (0..limit) maximise expected tokens per unit of time.
+
+    `scores` are the drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
+    Keeping the n likeliest yields 1 + their summed probability tokens for `cost.draft_step + draft_cost +
+    cost(n + 1)`.
+
+    scores [rows, N] is a batch verified in one pass: every row's tree is padded to the widest, so a width of
+    n costs the same whatever each row keeps, and every row keeps its n likeliest; the tokens are the rows' sum.
+    """
+    return int(token_rates(scores, cost, draft_cost, limit).argmax())
+
+
+def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> torch.Tensor:
+    """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count)."""
+    probs = scores.float().exp().reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values[:, :limit].cpu()
+    expected = torch.cat([torch.ones(probs.shape[0], 1), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=0)
+    seconds = torch.tensor([cost.draft_step + draft_cost + cost(n + 1) for n in range(expected.shape[0])])
+    return expected / seconds
+
+
+def best_shared_tree(
+    scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, draft_level: float, limit: int
+) -> tuple[int, int]:
+    """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N].
+
+    One pass verifies every row, padded to the widest tree, and the batch drafts as deep as its deepest row, so
+    both are priced once for all rows: the depth and width that maximise the rows' summed expected tokens per
+    unit of time, each level drafted costing `draft_level`."""
+    best, choice = float("-inf"), (1, 0)
+    for levels in range(1, int(depth.max()) + 1):
+        rates = token_rates(scores.masked_fill(depth > levels, float("-inf")), cost, levels * draft_level, limit)
+        if float(rates.max()) > best:
+            best, choice = float(rates.max()), (levels, int(rates.argmax()))
+    return choice
+
+
+def sized_static_paths(
+    accuracy: Sequence[Sequence[float]], cost: PassCost, max_nodes: int = 15
+) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree sized to the machine: of the `max_nodes` likeliest paths, the first n that
+    maximise expected tokens per unit of time, (1 + their summed probability) / cost(n + 1). n may be 0:
+    where no draft pays for its verification, plain decoding is fastest."""
+    paths = best_static_paths(max_nodes, accuracy)
+    probability = torch.tensor([math.prod(accuracy[d][r] for d, r in enumerate(path)) for path in paths])
+    return paths[: best_node_count(probability.log(), cost, 0.0, len(paths))]
+
+
+def likeliest_paths(
+    probability: Sequence[Sequence[float]], nodes: int, cost: PassCost | None = None
+) -> list[tuple[int, ...]]:
+    """The `nodes` likeliest paths given probability[d][r] (a head's measured accuracies, or this step's own
+    probabilities); with a measured `cost`, only as many of them as pay for their verification."""
+    return sized_static_paths(probability, cost, nodes) if cost is not None else best_static_paths(nodes, probability)
+
+
+def next_depth(kept: int, drafted: int, limit: int) -> int:
+    """How many levels the next step drafts, after one that drafted `drafted` levels and kept drafts `kept` deep:
+    one level more when the deepest level drafted paid for itself (was kept), else as deep as what was kept (at
+    least one level, at most `limit`). Drafting one level past what was kept at every step cost a level that
+    was thrown away at most steps (5% of a batch-8 step's time on MT-Bench prompts)."""
+    return min(limit, kept + 1 if kept >= drafted else max(kept, 1))
+
+
+MAX_TOP_K, MAX_NODES = 64, 1024  # a verification pass over more tokens than this costs more than it can save
+
+
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2: expand the `top_k` best frontier nodes for `depth` steps, keep the best `nodes` drafts.
+
+    With a measured `cost`, each step keeps only as many drafts as pay for their verification, and drafts
+    no deeper than it kept last time, one level deeper when its deepest level paid (next_depth): when
+    acceptance collapses, the tree shrinks toward plain decoding instead of costing more than it saves.
+    """
+
+    depth: int = 5
+    top_k: int = 4
+    nodes: int = 15  # draft nodes, root excluded: a verification pass covers nodes + 1 tokens
+    cost: PassCost | None = None
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TreeError(f"DynamicTreeSpec.{name} must be a whole number >= 1, got {value!r}")
+        if self.top_k > MAX_TOP_K or self.nodes > MAX_NODES:
+            raise TreeError(
+                f"DynamicTreeSpec(top_k={self.top_k}, nodes={self.nodes}) is too large: top_k <= {MAX_TOP_K} and nodes "
+                f"<= {MAX_NODES} (EAGLE-2 uses top_k 10 and 60 nodes)"
+            )
+        if self.cost is not None and not isinstance(self.cost, PassCost):
+            raise TreeError(
+                "DynamicTreeSpec.cost must be a PassCost (inference.calibrate.load_or_measure) or None, got "
+                f"{type(self.cost).__name__}"
+            )
