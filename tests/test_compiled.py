@@ -23,6 +23,7 @@ from inference import (
 )
 from inference.compiled import decoding_pass, is_compiled, package_path
 from inference.tree_size import default_accuracy
+from test_early_exit import early_exit
 from test_exactness_tiny import random_prompts
 
 NEW_TOKENS = 30
@@ -51,17 +52,20 @@ def recorded_shapes(passes, monkeypatch) -> list[tuple[int, int]]:
 
 
 def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_llama, monkeypatch):
-    """An EAGLE head's dynamic trees, an oracle's 30-node tree, prompt lookup and plain steps: every width from 1
-    up, the cache growing and cropped, all through the one compiled pass; identical to HF greedy of the eager model."""
+    """An EAGLE head's and an early exit's dynamic trees, an oracle's 30-node tree, prompt lookup and plain steps:
+    every width from 1 up, the cache growing and cropped, all through the one compiled pass (the heads' through
+    their own); identical to HF greedy of the eager model."""
     model = compiled_llama
     torch.manual_seed(1)
     eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
     eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[0, 1, -1], architecture="eagle3")).eval()
+    exit_head = early_exit(model)
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
     shapes = recorded_shapes(decoding_pass(model), monkeypatch)
     head_shapes = {}
-    for head in (eagle, eagle3):  # the heads' passes compile with the target's
-        passes = compiled.compiled_head(head, model)
+    for head in (eagle, eagle3, exit_head):  # the heads' passes compile with the target's
+        kind = compiled.CompiledEarlyExit if head is exit_head else compiled.CompiledHead
+        passes = compiled.compiled_head(head, model, kind)
         assert passes is not head and passes.ready(verbose=False)
         head_shapes[head] = recorded_shapes(passes, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
@@ -70,6 +74,7 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
         drafters = {
             "eagle": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
             "eagle3": (eagle3, DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
+            "early-exit": (exit_head, DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
             "oracle-tree-30": (OracleDrafter(full, tree30, model.config.vocab_size), None),
             "lookup": (PromptLookupDrafter(max_ngram=2), None),
             "plain": (None, None),

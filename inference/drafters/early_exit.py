@@ -6,6 +6,7 @@ import torch
 
 from heads import DraftVocabulary, EarlyExitHead
 
+from ..compiled import CompiledEarlyExit, compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
 from .dynamic import DraftNodes, DynamicTreeDrafter
@@ -26,6 +27,7 @@ class EarlyExitDrafter(DynamicTreeDrafter):
             DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab
         )
         self.head = head
+        self.run_head = compiled_head(head, model, CompiledEarlyExit)  # compiled like the target's passes, or the head
         self.reset()
 
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
@@ -40,7 +42,7 @@ class EarlyExitDrafter(DynamicTreeDrafter):
             new[row, : text.shape[0] - length] = text[length:]
         self._append(
             counts,
-            lambda rows, positions, mask, cache: self.head(
+            lambda rows, positions, mask, cache: self.run_head(
                 new[rows, : positions.shape[1]], position_ids=positions, attention_mask=mask, cache=cache
             ),
         )
@@ -54,6 +56,6 @@ class EarlyExitDrafter(DynamicTreeDrafter):
         mask: torch.Tensor,
         positions: torch.Tensor,
     ) -> torch.Tensor:
-        return self.head(
+        return self.run_head(
             nodes.tokens.gather(1, frontier), position_ids=positions, attention_mask=mask, cache=self.cache
         )
