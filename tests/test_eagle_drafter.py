@@ -10,26 +10,28 @@ from inference import DynamicTreeSpec, EagleDrafter, generate
 from inference.drafters import draft_copy_tokens
 
 
-def recompute(head, model, tokens, draft_tokens):
-    """Head outputs along committed tokens then a draft path, without any cache: the reference."""
+def recompute(head, model, tokens, draft_tokens, skipped=0):
+    """Head outputs along committed tokens then a draft path, without any cache: the reference. `skipped`: the first
+    pairs the head never read (a long prompt's start); the rest sit at positions from 0."""
     layers = head.config.feature_layers
     with torch.no_grad():
         hidden = model(tokens[None], output_hidden_states=True).hidden_states
-        features = head.fuse_features(
-            torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1)
-        )  # the target's, x_0..x_{n-2}
+        features = head.fuse_features(torch.cat([hidden[layer][0, :-1] for layer in layers], dim=-1))[
+            skipped:
+        ]  # the target's, x_0..x_{n-2}
         inputs = tokens[1:]
         out = None
         for step in range(len(draft_tokens) + 1):
             if step:
                 features = torch.cat([features, out[-1:]])  # the head feeds its own prediction back
                 inputs = torch.cat([inputs, draft_tokens[step - 1 : step]])
-            embeds = model.get_input_embeddings()(inputs)
+            embeds = model.get_input_embeddings()(inputs[skipped:])
             copies = None
             if head.config.copy_input:  # as training computes them: over the whole text at once
                 text = torch.cat([tokens[:1], inputs]).tolist()
-                copies = copy_embedding(model.get_input_embeddings(), torch.tensor(copy_tokens(text)))[None]
-            out = head(features[None], embeds[None], copies, position_ids=torch.arange(len(inputs))[None])[0]
+                copies = copy_embedding(model.get_input_embeddings(), torch.tensor(copy_tokens(text)[skipped:]))[None]
+            positions = torch.arange(len(inputs) - skipped)[None]
+            out = head(features[None], embeds[None], copies, position_ids=positions)[0]
     return out[-1]
 
 
@@ -46,7 +48,10 @@ class CheckedEagleDrafter(EagleDrafter):
         (tokens,) = texts
         self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
         torch.testing.assert_close(
-            self.last[0], recompute(self.head, self.model, tokens, tokens[:0]), atol=1e-5, rtol=1e-4
+            self.last[0],
+            recompute(self.head, self.model, tokens, tokens[:0], self.rows[0].skipped),
+            atol=1e-5,
+            rtol=1e-4,
         )
         self.seen = []
         (tree,) = super().propose_rows(texts, max_depths)
@@ -56,7 +61,7 @@ class CheckedEagleDrafter(EagleDrafter):
         lm_head = self.model.get_output_embeddings()
         for node in range(1, tree.size):
             parent_path = tree.ancestors[tree.parents[node]].nonzero().flatten()[1:]  # root excluded
-            expected = recompute(self.head, self.model, tokens, tree.tokens[parent_path])
+            expected = recompute(self.head, self.model, tokens, tree.tokens[parent_path], self.rows[0].skipped)
             # the head output the node was drawn from was computed exactly (same positions, same mask) ...
             assert torch.isclose(seen, expected, atol=1e-5, rtol=1e-4).all(-1).any(), (
                 f"node {node}: no matching head output"
@@ -98,11 +103,12 @@ def test_draft_nodes_copy_along_their_own_paths():
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
     model = tiny_model("llama", eos=None)
-    for feature_layers, num_layers, copy_input in (
-        ([-1], 1, False),
-        ([1, 2, -1], 1, False),
-        ([-1], 2, False),
-        ([1, -1], 1, True),
+    for feature_layers, num_layers, copy_input, window in (
+        ([-1], 1, False, None),
+        ([1, 2, -1], 1, False, None),
+        ([-1], 2, False, None),
+        ([1, -1], 1, True, None),
+        ([1, -1], 1, True, 6),  # a long prompt: the head reads its last 6 pairs (the copy tokens know all of it)
     ):
         torch.manual_seed(0)
         head = EagleHead(
@@ -111,12 +117,13 @@ def test_eagle_drafter_state_and_trees_match_a_recomputation():
             )
         ).eval()
         drafter = CheckedEagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=9))
-        drafter.model = model
+        drafter.model, drafter.prompt_window = model, window
         segment = torch.randint(4, 97, (8,), generator=torch.Generator().manual_seed(1))
         prompt = torch.cat([segment, torch.tensor([3]), segment[:5]])  # repeated bigrams: copy tokens to find
         generate(model, drafter, prompt, max_new_tokens=12, fallback=False)
         assert drafter.checked_nodes > 30
         assert drafter.cache.get_seq_length() == drafter.lengths[0]  # draft entries never outlive a step
+        assert drafter.rows[0].skipped == (0 if window is None else prompt.shape[0] - window)
 
 
 def _observed_drafters(model, head, prompt, trusted_ngram):

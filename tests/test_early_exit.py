@@ -59,14 +59,17 @@ def test_the_adapter_never_touches_the_verifying_target():
 
 class CheckedEarlyExitDrafter(EarlyExitDrafter):
     """Checks at every step that the draft's cache holds the committed text only: its output for the root equals
-    a fresh pass over the whole text, and the draft entries of the last proposal are gone."""
+    a fresh pass over the whole text (but the start of a long prompt it skipped: prompt_window), and the draft entries
+    of the last proposal are gone."""
 
     def propose_rows(self, texts, max_depths):  # what the loop calls: one row here
         (tokens,) = texts
         trees = super().propose_rows(texts, max_depths)
-        assert self.cache.get_seq_length() == self.lengths[0] == tokens.shape[0]
+        skipped = self.rows[0].skipped
+        assert self.cache.get_seq_length() == self.lengths[0] == tokens.shape[0] - skipped
         with torch.no_grad():
-            fresh = self.head(tokens[None])[0, -1]
+            fresh = self.head(tokens[None, skipped:])[0, -1]
+        self.skipped = max(getattr(self, "skipped", 0), skipped)
         # float32 summed in another order moves it by up to ~2e-4 (seen on one CPU); one stale or leaked entry
         # moves it by about 1 (the median over 50 random prefixes), so a cache bug fails at most of its steps
         torch.testing.assert_close(self.last[0], fresh, atol=1e-2, rtol=0)
@@ -83,17 +86,23 @@ def test_early_exit_matches_hf_greedy(family, attn):
     mismatches, accepted = [], []
     for i, prompt in enumerate(random_prompts(model.config.vocab_size, 50, seed=11)):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
-        checked = CheckedEarlyExitDrafter(head, model, spec)
-        for name, heads, tree in (
+        checked, windowed = CheckedEarlyExitDrafter(head, model, spec), CheckedEarlyExitDrafter(head, model, spec)
+        windowed.prompt_window = 5  # a prompt's last 5 tokens: its first ones are never read
+        cases = [
             ("adapted", checked, None),
             ("untrained", untrained, spec),
             ("merged with lookup", [head, PromptLookupDrafter()], DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
-        ):
+        ]
+        if i % 5 == 0:
+            cases.append(("a prompt's last tokens", windowed, None))
+        for name, heads, tree in cases:
             out = generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, tree=tree, lookup=False, fallback=False)
             if out.token_ids != reference:
                 mismatches.append((i, name))
             accepted.append(out.stats.mean_accepted)
         assert checked.steps > 0
+        if i % 5 == 0:  # its first read: the prompt and the first new token
+            assert windowed.skipped == max(prompt.shape[0] + 1 - 5, 0)
     assert not mismatches, mismatches[:5]
     assert max(accepted) > 1.5, "some drafts should be accepted, or exactness was tested on empty trees"
 

@@ -60,23 +60,35 @@ class EagleDrafter(DynamicTreeDrafter):
         counts = [sum(tokens.shape[0] for _, tokens in row.pending) for row in self.rows]
         if not any(counts):
             return
-        rows, width, device = len(texts), max(counts), texts[0].device
+        rows, device = len(texts), texts[0].device
         first = next(f for row in self.rows for f, _ in row.pending)
+        read = []  # each row's pairs to read: features, next tokens, copy tokens
+        for row, (state, count) in enumerate(zip(self.rows, counts)):
+            if not count:
+                read.append(None)
+                continue
+            copies = None
+            if copy_input:  # the bigram map holds the text before; pairs from the row's end need one token back
+                start = state.skipped + state.length
+                offset = max(start - 1, 0)
+                found = copy_tokens(
+                    texts[row][offset:].tolist(), start - offset, start - offset + count, state.successors
+                )
+                copies = torch.tensor(found, device=device)
+            skip = self._skip(state, count)  # after the copy tokens: the bigrams of a whole prompt are cheap to keep
+            features = torch.cat([f for f, _ in state.pending])[skip:]
+            tokens = torch.cat([t for _, t in state.pending])[skip:]
+            read.append((features, tokens, None if copies is None else copies[skip:]))
+            counts[row] -= skip
+        width = max(counts)
         features = first.new_zeros(rows, width, first.shape[-1])
         next_tokens = torch.zeros(rows, width, dtype=torch.long, device=device)  # padding reads token 0, masked off
         copies = torch.full((rows, width), NO_COPY, dtype=torch.long, device=device)
-        for row, (state, count) in enumerate(zip(self.rows, counts)):
-            if not count:
-                continue
-            features[row, :count] = torch.cat([f for f, _ in state.pending])
-            next_tokens[row, :count] = torch.cat([t for _, t in state.pending])
-            if copy_input:  # the bigram map holds the text before; pairs from the row's length need one token back
-                length = state.length
-                offset = max(length - 1, 0)
-                found = copy_tokens(
-                    texts[row][offset:].tolist(), length - offset, length - offset + count, state.successors
-                )
-                copies[row, :count] = torch.tensor(found, device=device)
+        for row, (count, pairs) in enumerate(zip(counts, read)):
+            if pairs is not None:
+                features[row, :count], next_tokens[row, :count] = pairs[0], pairs[1]
+                if copy_input:
+                    copies[row, :count] = pairs[2]
         for state in self.rows:
             state.pending = []
         copy_embeds = copy_embedding(self.embed, copies) if copy_input else None

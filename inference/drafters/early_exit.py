@@ -32,14 +32,15 @@ class EarlyExitDrafter(DynamicTreeDrafter):
 
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         # the committed text only grows: what the cache holds stays valid
-        counts = [text.shape[0] - length for text, length in zip(texts, self.lengths)]
+        counts = [text.shape[0] - row.skipped - row.length for text, row in zip(texts, self.rows)]
+        counts = [count - self._skip(row, count) for count, row in zip(counts, self.rows)]
         if not any(counts):
             return
         new = torch.zeros(
             len(texts), max(counts), dtype=torch.long, device=texts[0].device
         )  # padding reads token 0, masked off
-        for row, (text, length) in enumerate(zip(texts, self.lengths)):
-            new[row, : text.shape[0] - length] = text[length:]
+        for index, (text, row) in enumerate(zip(texts, self.rows)):
+            new[index, : counts[index]] = text[row.skipped + row.length :]
         self._append(
             counts,
             lambda rows, positions, mask, cache: self.run_head(
