@@ -11,8 +11,8 @@ compiled code (inductor's `freezing`), they are packed once for the CPU's matrix
 One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits,
 hidden states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens,
 cache length), so one compiled graph serves plain steps, trees and batches. An EAGLE head's passes (over the
-committed tokens and each draft level) are compiled the same way (`HeadPass`) when the target's are: 4.9 ms of
-drafting a step instead of 6.9; so are the early-exit draft's (`ExitPass`), which took it from 1.01x to 1.10x plain
+committed tokens and each draft level) are compiled the same way (compiled_heads.py) when the target's are: 4.9 ms of
+drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
 decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (84 s for SmolLM2-135M's pass, 12 s for
 its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC); the result is a package on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set and the library versions), so a
@@ -22,9 +22,7 @@ compile decodes eagerly, after one warning naming the reason.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -38,7 +36,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from heads.attention import grouped_attention
-from heads.eagle import causal_mask
 
 from .cache import position_cache
 from .target import cache_root
@@ -70,12 +67,7 @@ class DecodingPass(torch.nn.Module):
     def forward(
         self, input_ids, position_ids, attention_mask, key_stores: list[torch.Tensor], value_stores: list[torch.Tensor]
     ):
-        new = input_ids.shape[1]
-        cached = attention_mask.shape[-1] - new
-        layers = [
-            _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
-        ]
-        cache = Cache(layers=layers)
+        cache = _stored_cache(key_stores, value_stores, attention_mask.shape[-1] - input_ids.shape[1])
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -84,9 +76,7 @@ class DecodingPass(torch.nn.Module):
             use_cache=True,
             output_hidden_states=True,
         )
-        new_keys = [layer.keys[:, :, -new:] for layer in cache.layers]
-        new_values = [layer.values[:, :, -new:] for layer in cache.layers]
-        return out.logits, tuple(out.hidden_states), new_keys, new_values
+        return out.logits, tuple(out.hidden_states), *_new_entries(cache, input_ids.shape[1])
 
 
 def _stores(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +99,20 @@ def _filled_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
     return layer
+
+
+def _stored_cache(key_stores: list[torch.Tensor], value_stores: list[torch.Tensor], cached: int) -> Cache:
+    """A cache over each layer's first `cached` entries of its stores (an exported pass's cache argument)."""
+    return Cache(
+        layers=[
+            _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
+        ]
+    )
+
+
+def _new_entries(cache: Cache, new: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's keys and values of the pass's `new` tokens, which the caller writes into its own cache."""
+    return [layer.keys[:, :, -new:] for layer in cache.layers], [layer.values[:, :, -new:] for layer in cache.layers]
 
 
 class CompiledPasses:
@@ -227,161 +231,6 @@ class CompiledPasses:
         warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
 
 
-class HeadPass(torch.nn.Module):
-    """An EAGLE head's pass with its cache as plain tensors (as DecodingPass): (feature [rows, T, H], the next
-    tokens' embeddings, positions, the additive mask, key/value stores[, copy embeddings]) -> (its outputs [rows, T,
-    H], the new entries' keys and values)."""
-
-    def __init__(self, head):
-        super().__init__()
-        self.head = head
-
-    def forward(
-        self, feature, token_embedding, position_ids, attention_mask, key_stores, value_stores, copy_embedding=None
-    ):
-        new = feature.shape[1]
-        cached = attention_mask.shape[-1] - new
-        cache = Cache(
-            layers=[
-                _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
-            ]
-        )
-        out = self.head(
-            feature,
-            token_embedding,
-            copy_embedding,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-        )
-        return (
-            out,
-            [layer.keys[:, :, -new:] for layer in cache.layers],
-            [layer.values[:, :, -new:] for layer in cache.layers],
-        )
-
-
-class CompiledHead(CompiledPasses):
-    """Calls an EAGLE head like the head itself, through a compiled package: its passes over the committed tokens
-    and over each draft level (a 2 ms eager pass of one decoder layer, mostly overhead between small kernels)."""
-
-    what, takes = "the EAGLE head's pass", "about 15 s"
-
-    def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
-        head = self.module
-        if feature.shape[-1] != head.config.hidden_size:
-            feature = head.fuse_features(feature)  # the package takes the fused feature
-        past = cache.get_seq_length() if cache is not None else 0
-        if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
-            return head(
-                feature,
-                token_embedding,
-                copy_embedding,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                cache=cache,
-            )
-        rows, new = feature.shape[:2]
-        if attention_mask is None:  # the rows aligned: causal
-            attention_mask = causal_mask(new, past, feature.dtype, feature.device).expand(rows, -1, -1, -1)
-        extra = [copy_embedding] if copy_embedding is not None else []
-        return self._run_with_cache(cache, [feature, token_embedding, position_ids, attention_mask], extra)[0]
-
-    def package_path(self) -> Path:
-        head = self.module
-        config = json.dumps(dataclasses.asdict(head.config), sort_keys=True)
-        dtype = str(next(head.parameters()).dtype).removeprefix("torch.")
-        return cache_root() / "compiled" / f"eagle-head-{dtype}-{package_key(head, config)}.pt2"
-
-    def export(self):
-        head = self.module
-        weight = next(head.parameters())
-        dtype, device, hidden = weight.dtype, weight.device, head.config.hidden_size
-        one = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # a one-token pass shows the cache's shapes
-        position = torch.zeros(1, 1, dtype=torch.long, device=device)
-        copy = one if head.config.copy_input else None
-        shapes = _cache_shapes(lambda cache: head(one, one, copy, position_ids=position, cache=cache))
-        rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
-        inputs = torch.zeros(rows, tokens, hidden, dtype=dtype, device=device)
-        example = (
-            inputs,
-            inputs.clone(),
-            (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
-            torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
-        )
-        auto = torch.export.Dim.AUTO
-        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
-        extra = ((inputs.clone(),), ({0: auto, 1: auto},)) if head.config.copy_input else ((), ())
-        return _export(HeadPass(head), example, dynamic, shapes, dtype, device, *extra)
-
-
-class ExitPass(torch.nn.Module):
-    """The early-exit draft's pass (the target's first layers with their adapter) with its cache as plain tensors (as
-    DecodingPass): (token ids, positions, the additive mask, key/value stores) -> (the exit's normed hidden states
-    [rows, T, H], the new entries' keys and values)."""
-
-    def __init__(self, head):
-        super().__init__()
-        self.draft = head.draft  # registered here: the head keeps it outside its own module tree
-
-    def forward(self, input_ids, position_ids, attention_mask, key_stores, value_stores):
-        new = input_ids.shape[1]
-        cached = attention_mask.shape[-1] - new
-        cache = Cache(
-            layers=[
-                _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
-            ]
-        )
-        out = self.draft.base_model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
-        )
-        return (
-            out.last_hidden_state,
-            [layer.keys[:, :, -new:] for layer in cache.layers],
-            [layer.values[:, :, -new:] for layer in cache.layers],
-        )
-
-
-class CompiledEarlyExit(CompiledPasses):
-    """Calls an early-exit head like the head itself, through a compiled package: its passes over the committed
-    tokens and over each draft level (eager, its layers cost what the target's do a layer, while the target's own
-    pass runs compiled at about two thirds of its eager time)."""
-
-    what, takes = "the early-exit draft's pass", "under a minute"
-
-    def __call__(self, input_ids, *, position_ids, attention_mask=None, cache=None):
-        head = self.module
-        past = cache.get_seq_length() if cache is not None else 0
-        if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
-            return head(input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache)
-        rows, new = input_ids.shape
-        dtype = head.draft.dtype
-        if attention_mask is None:  # the rows aligned: causal
-            attention_mask = causal_mask(new, past, dtype, input_ids.device).expand(rows, -1, -1, -1)
-        return self._run_with_cache(cache, [input_ids, position_ids, attention_mask])[0]
-
-    def package_path(self) -> Path:
-        head = self.module
-        config = json.dumps(dataclasses.asdict(head.config), sort_keys=True) + head.draft.config.to_json_string()
-        dtype = str(head.draft.dtype).removeprefix("torch.")
-        return cache_root() / "compiled" / f"early-exit-{dtype}-{package_key(head.draft, config)}.pt2"
-
-    def export(self):
-        head = self.module
-        dtype, device = head.draft.dtype, head.draft.device
-        one = torch.zeros(1, 1, dtype=torch.long, device=device)  # a one-token pass shows the cache's shapes
-        shapes = _cache_shapes(lambda cache: head(one, position_ids=one, cache=cache))
-        rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
-        example = (
-            torch.zeros(rows, tokens, dtype=torch.long, device=device),
-            (torch.arange(tokens, device=device) + cached).expand(rows, -1).contiguous(),
-            torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
-        )
-        auto = torch.export.Dim.AUTO
-        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
-        return _export(ExitPass(head), example, dynamic, shapes, dtype, device)
-
-
 def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
@@ -456,16 +305,6 @@ def package_key(module, config: str) -> str:
 
 def package_path(model) -> Path:
     return CompiledPasses(model).package_path()
-
-
-def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
-    """What a drafter calls to run `head` (an EAGLE head; an early-exit head with passes=CompiledEarlyExit): its
-    compiled passes when `model`'s are compiled, else the head."""
-    if not is_compiled(model):
-        return head
-    if not hasattr(head, PASSES):
-        setattr(head, PASSES, passes(head))
-    return getattr(head, PASSES)
 
 
 def compile_target(model):

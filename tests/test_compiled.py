@@ -18,6 +18,7 @@ from inference import (
     best_static_paths,
     compile_target,
     compiled,
+    compiled_heads,
     generate,
     warm_up,
 )
@@ -64,8 +65,8 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     shapes = recorded_shapes(decoding_pass(model), monkeypatch)
     head_shapes = {}
     for head in (eagle, eagle3, exit_head):  # the heads' passes compile with the target's
-        kind = compiled.CompiledEarlyExit if head is exit_head else compiled.CompiledHead
-        passes = compiled.compiled_head(head, model, kind)
+        kind = compiled_heads.CompiledEarlyExit if head is exit_head else compiled_heads.CompiledHead
+        passes = compiled_heads.compiled_head(head, model, kind)
         assert passes is not head and passes.ready(verbose=False)
         head_shapes[head] = recorded_shapes(passes, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):

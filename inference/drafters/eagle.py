@@ -9,7 +9,7 @@ import torch
 
 from heads import NO_COPY, EagleHead, copy_embedding, copy_tokens
 
-from ..compiled import compiled_head
+from ..compiled_heads import compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
 from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter

@@ -6,7 +6,7 @@ import torch
 
 from heads import DraftVocabulary, EarlyExitHead
 
-from ..compiled import CompiledEarlyExit, compiled_head
+from ..compiled_heads import CompiledEarlyExit, compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
 from .dynamic import DraftNodes, DynamicTreeDrafter
