@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import inference.target
 import training.distill as distill_module
 from conftest import WORDS
 from inference import load_target
@@ -89,6 +90,16 @@ def test_answers_made_another_way_do_not_mix(tiny_chat, tmp_path):
         distill(settings(tiny_chat, tmp_path, answers=4, max_new_tokens=7))
     with pytest.raises(ValueError, match="second_turn_share"):
         settings(tiny_chat, tmp_path, second_turn_share=1.5)
+
+
+def test_auto_dtype_grows_the_corpus_that_exists(tiny_chat, tmp_path, monkeypatch):
+    # "auto" resolves per machine: on one where bfloat16 is faster, a float32 corpus made elsewhere still grows
+    grown = distill(settings(tiny_chat, tmp_path, answers=2))
+    monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu": True)
+    assert distill(settings(tiny_chat, tmp_path, answers=4, dtype="auto")) == grown
+    assert len(read_corpus(grown)) == 4 and [p.name for p in tmp_path.iterdir()] == [grown.name]
+    fresh = tmp_path / "fresh"  # with no corpus yet, auto is what this machine computes fastest
+    assert distill(settings(tiny_chat, fresh, answers=2, dtype="auto")).name.endswith("-bfloat16")
 
 
 def test_bad_prompt_files_are_named(tiny_chat, tmp_path):

@@ -135,6 +135,17 @@ def corpus_dir(cfg: DistillConfig, model_name: str, dtype: torch.dtype) -> Path:
     return Path(cfg.corpus_root) / f"{slug}-{inference.target.dtype_name(dtype)}"
 
 
+def existing_corpus_dtype(cfg: DistillConfig, model_name: str) -> str | None:
+    """The dtype of this model's corpus that holds answers already (the one with the most shards), if any."""
+    shards = {
+        name: len(list(corpus_dir(cfg, model_name, dtype).glob("shard-*.jsonl.gz")))
+        for name, dtype in inference.target.DTYPES.items()
+        if name == inference.target.dtype_name(dtype)
+    }
+    best = max(shards, key=shards.get)
+    return best if shards[best] else None
+
+
 def manifest(cfg: DistillConfig, model, tokenizer) -> dict:
     """What shapes an answer to a given prompt: answers from another model, dtype or setting are another corpus."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -450,9 +461,21 @@ def distill(cfg: DistillConfig) -> Path:
     """Fills the corpus up to cfg.answers; returns its folder."""
     if cfg.device == "auto":  # resolved once, for every worker
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    asked = cfg.dtype
     cfg.dtype = inference.target.dtype_name(inference.target.as_dtype(cfg.dtype, cfg.device))
     model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
     directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
+    grown = existing_corpus_dtype(cfg, str(model.config._name_or_path)) if asked == "auto" else None
+    if grown is not None and grown != cfg.dtype and not any(directory.glob("shard-*.jsonl.gz")):
+        # "auto" differs between machines (bfloat16 is emulated on some CPUs): grow the corpus there is
+        print(
+            f"dtype auto: growing the {grown} corpus that exists instead of starting a {cfg.dtype} one "
+            f"(--dtype {cfg.dtype} starts it)",
+            file=sys.stderr,
+        )
+        cfg.dtype = grown
+        model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+        directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
     check_manifest(directory, manifest(cfg, model, tokenizer))
     del model
     done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}
