@@ -430,7 +430,9 @@ def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]
         if slots:
             for text in self_prompted_requests(path.parent, read):
                 seen.add(text)
+            bar.set_postfix_str(f"the target writes {len(slots)} requests first")  # minutes with no answer done
             written = write_requests(model, tokenizer, cfg, slots, seen)
+            bar.set_postfix_str("")
             bar.update(len(slots) - len(written))
             chunk = ready + written
         by_length = sorted(chunk, key=lambda r: len(r["prompt_ids"]))
