@@ -1,5 +1,6 @@
-"""vLLM serves heads exported by this project: its acceptance next to ours on the same prompts, and its outputs
-with the heads identical to its own greedy outputs without them.
+"""vLLM serves heads exported by this project: its acceptance next to ours on the same prompts, its outputs
+with the heads identical to its own greedy outputs without them, and throughput at 1-16 requests at a time through
+its OpenAI-compatible server next to this engine's batches. `make vllm-check` runs every step below in order.
 
 vLLM pins another transformers than this project, so the check runs in two environments, writing to one folder:
 
@@ -9,7 +10,10 @@ vLLM pins another transformers than this project, so the check runs in two envir
     #    torchaudio torchcodec if `import transformers` breaks): vLLM without speculation, then with the heads
     python scripts/vllm_check.py vllm --out outputs/vllm-check
     python scripts/vllm_check.py vllm --out outputs/vllm-check --speculate
-    # 3. either venv: the Markdown table
+    # 3. vLLM's venv: its server without and with the heads, the prompts sent by 1, 4, 8 and 16 clients at a time
+    python scripts/vllm_check.py serve --out outputs/vllm-check
+    python scripts/vllm_check.py serve --out outputs/vllm-check --speculate
+    # 4. this project's venv: the Markdown tables (and concurrency.png once the serve steps ran)
     python scripts/vllm_check.py report --out outputs/vllm-check
 
 vLLM's own speed without heads, what a user would run instead (its venv; first turns of the first `--per-category`
