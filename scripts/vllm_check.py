@@ -32,11 +32,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FORMAT_FOR = {"eagle": "speculators", "medusa": "medusa"}  # what vLLM reads, by our head kind
 METHOD_FOR = {"speculators": "eagle3", "medusa": "medusa"}
+CONCURRENCY = (1, 4, 8, 16)  # requests at a time, through vLLM's server and through generate()'s batches
+# vLLM on a CPU keeps cores for its API process unless told otherwise: on 2 cores it kept one of two, and its model ran
+# at 20 tokens/s one request at a time and 115 with 16 at once (float32, Xeon), against 27 and 174 with none kept
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def run_ours(args) -> None:
@@ -109,11 +118,6 @@ def run_ours(args) -> None:
         f"ours: {len(rows)} prompts, tau {sum(r['tau'] for r in rows) / len(rows):.2f}; identical to HF "
         f"{identical}/{len(rows)}"
     )
-
-
-# vLLM on a CPU keeps cores for its API process unless told otherwise: on 2 cores it kept one of two, and its model ran
-# at 20 tokens/s one request at a time and 115 with 16 at once (float32, Xeon), against 27 and 174 with none kept
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def run_vllm(args) -> None:
@@ -205,18 +209,10 @@ def run_vllm_speed(args) -> None:
     print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
 
 
-CONCURRENCY = (1, 4, 8, 16)
-
-
 def run_vllm_serve(args) -> None:
     """`vllm serve` (its OpenAI-compatible server), with or without the exported heads: the prompts sent by
     CONCURRENCY clients at a time (each level after one untimed warm-up request); tokens/s over each level, every
     output's text, and vLLM's acceptance length read from its /metrics."""
-    import subprocess
-    import sys
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
     from openai import OpenAI
 
     out = Path(args.out)
@@ -274,9 +270,6 @@ def run_vllm_serve(args) -> None:
 
 
 def _wait_until_up(server, health: str, log: Path, limit: float) -> None:
-    import urllib.error
-    import urllib.request
-
     started = time.perf_counter()
     while time.perf_counter() - started < limit:
         if server.poll() is not None:
@@ -348,13 +341,13 @@ def concurrency_report(out: Path, setup: dict) -> None:
     served = {name: json.loads((out / f"serve-{name}.json").read_text()) for name in ("plain", "spec")}
     ours = json.loads((out / "ours-throughput.json").read_text())
     levels = list(served["plain"]["levels"])
+
+    def served_rates(name: str) -> list[float]:
+        return [served[name]["levels"][c]["tokens"] / served[name]["levels"][c]["seconds"] for c in levels]
+
     rates = {
-        "vLLM, no heads": [
-            served["plain"]["levels"][c]["tokens"] / served["plain"]["levels"][c]["seconds"] for c in levels
-        ],
-        "vLLM with the heads": [
-            served["spec"]["levels"][c]["tokens"] / served["spec"]["levels"][c]["seconds"] for c in levels
-        ],
+        "vLLM, no heads": served_rates("plain"),
+        "vLLM with the heads": served_rates("spec"),
         "this project, default call": [ours["ours-default"][c] for c in levels],
         "this project, plain": [ours["ours-plain"][c] for c in levels],
     }
