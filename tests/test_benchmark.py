@@ -299,6 +299,19 @@ def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
         {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
         {"question_id": 0, "category": "chat", "turns": ["question 0"]},
     ]
+    # a source left out of training: its first conversations, a self-prompted request with its own text
+    write_shard(
+        corpus / "shard-00001.jsonl.gz",
+        [record(1, 1), {**record(1, 1), "id": "self-0", "source": "self-prompted", "prompt": "write me a plan"}],
+    )
+    assert heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="maths") == [
+        {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
+        {"question_id": 5, "category": "maths", "turns": ["question 5"]},
+        {"question_id": 1, "category": "maths", "turns": ["question 1"]},
+    ]
+    assert heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="self-prompted") == [
+        {"question_id": "self-0", "category": "self-prompted", "turns": ["write me a plan"]}
+    ]
     (tmp_path / "other.jsonl").write_text(json.dumps(prompts[0]) + "\n")
     with pytest.raises(SystemExit, match="distilled from another prompt file"):
         heldout_questions.heldout_questions(tmp_path / "other.jsonl", corpus, 2)

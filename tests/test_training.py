@@ -124,6 +124,58 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
     assert sorted((tmp_path / "cache").iterdir()) == written
 
 
+def test_long_sequences_pack_whole_conversations_and_sources_can_be_left_out(tiny_chat, tmp_path):
+    from training.config import ConfigError, DataConfig
+    from training.corpus import read_corpus
+    from training.data import build_datasets
+    from training.distill import DistillConfig, distill
+
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    corpus = distill(
+        DistillConfig(
+            model=str(tiny_chat / "model"),
+            dtype="float32",
+            prompts=str(tiny_chat / "prompts.jsonl"),
+            corpus_root=str(tmp_path / "distill"),
+            answers=12,
+            second_turn_share=0,
+            max_new_tokens=8,
+            workers=1,
+        )
+    )
+    records = read_corpus(corpus)
+    data = DataConfig(
+        path=str(tiny_chat / "prompts.jsonl"),
+        corpus=str(corpus),
+        eval_prompts=2,
+        dataset_responses=0,
+        max_length=64,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    single, single_eval = build_datasets(data, tokenizer, model, "tiny", seed=0)
+    longest = max(len(row) for row in single["input_ids"])
+    pack = max(3 * longest, data.max_length)
+    packs, packs_eval = build_datasets(replace(data, pack_length=pack), tokenizer, model, "tiny", seed=0)
+    # fewer, longer sequences of the same conversations, in the same order, each one's loss mask kept
+    assert len(packs) < len(single) and max(len(row) for row in packs["input_ids"]) > longest
+    assert all(len(row) <= pack for row in packs["input_ids"])
+    assert sum(packs["input_ids"], []) == sum(single["input_ids"], [])
+    assert sum(packs["loss_mask"], []) == sum(single["loss_mask"], [])
+    assert packs_eval["input_ids"] == single_eval["input_ids"]  # held-out scores stay comparable
+    with pytest.raises(ConfigError, match="pack_length .* must be at least data.max_length"):
+        replace(data, pack_length=32)
+
+    # leave-one-source-out: none of a left-out source's answers is trained on
+    trained_sources = {r["source"] for r in records[2:]}
+    left_out = sorted(trained_sources)[0]
+    without, _ = build_datasets(replace(data, exclude_sources=[left_out]), tokenizer, model, "tiny", seed=0)
+    rows = {tuple(row) for row in without["input_ids"]}
+    expected = {tuple(r["prompt_ids"] + r["answer_ids"]) for r in records[2:] if r["source"] != left_out}
+    assert rows == expected and len(rows) < len(single)
+    with pytest.raises(ConfigError, match="does not hold; its sources are"):
+        build_datasets(replace(data, exclude_sources=["no-such-source"]), tokenizer, model, "tiny", seed=0)
+
+
 def test_another_models_corpus_is_refused(tiny_chat, tmp_path):
     from transformers import AutoModelForCausalLM
 

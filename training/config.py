@@ -58,6 +58,10 @@ class DataConfig:
     balance_field: str | None = None  # e.g. "source": take prompts round-robin across its values, not in proportion
     eval_prompts: int = 64  # held out: the corpus's first N first turns (balanced), or the file's first N prompts
     max_length: int = 512  # tokens per training sequence, prompt included
+    # whole conversations placed one after another into training sequences of up to this many tokens (null: one
+    # conversation a sequence): long inputs teach the head positions and feature histories of that length
+    pack_length: int | None = None
+    exclude_sources: list[str] = field(default_factory=list)  # prompt sources left out of training (a held-out check)
     cache_dir: str = "outputs/cache"  # tokenized data and cached features, reused by reruns
 
     def __post_init__(self):
@@ -65,6 +69,13 @@ class DataConfig:
         for name in ("corpus_answers", "corpus_per_source"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 (or null for all), got {getattr(self, name)}")
+        if self.pack_length is not None and self.pack_length < self.max_length:
+            raise ConfigError(
+                f"data.pack_length ({self.pack_length}) must be at least data.max_length ({self.max_length}), the "
+                "length of one conversation; raise it, or set it to null to train on one conversation a sequence"
+            )
+        if not isinstance(self.exclude_sources, list) or not all(isinstance(s, str) for s in self.exclude_sources):
+            raise ConfigError(f"data.exclude_sources must be a list of source names, got {self.exclude_sources!r}")
 
 
 @dataclass

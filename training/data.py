@@ -200,6 +200,14 @@ def build_datasets(
         used = [
             r for r in records if r.get("prompt_of", r["id"]) not in held_out
         ]  # a reinstructed prompt: its passage too
+        if data.exclude_sources:
+            sources = {r["source"] for r in records}
+            if not set(data.exclude_sources) <= sources:
+                raise ConfigError(
+                    f"data.exclude_sources names {sorted(set(data.exclude_sources) - sources)}, which {data.corpus} "
+                    f"does not hold; its sources are {sorted(sources)}"
+                )
+            used = [r for r in used if r["source"] not in data.exclude_sources]
         if data.corpus_answers is not None:
             if data.corpus_answers > len(used):
                 raise ConfigError(
@@ -230,6 +238,8 @@ def build_datasets(
             "prompts' length"
         )
     random.Random(seed).shuffle(kept)
+    if data.pack_length is not None:
+        kept = packed(kept, data.pack_length)
     evaluation = [x for x in evaluation if any(x["loss_mask"])]
     train_set, eval_set = Dataset.from_list(kept), Dataset.from_list(evaluation or kept[:8])
     if is_main:
@@ -237,6 +247,21 @@ def build_datasets(
             train_set.save_to_disk(str(staging / "train"))
             eval_set.save_to_disk(str(staging / "eval"))
     return train_set, eval_set
+
+
+def packed(examples: list[dict], length: int) -> list[dict]:
+    """The examples, in order, placed one after another into sequences of at most `length` tokens, each loss mask
+    kept. Nothing resets between them: the target's soft labels and features come from its own pass over the whole
+    sequence, so a later conversation is read after the earlier ones, as a long prompt or a long chat is."""
+    sequences, ids, mask = [], [], []
+    for x in examples:
+        if ids and len(ids) + len(x["input_ids"]) > length:
+            sequences.append({"input_ids": ids, "loss_mask": mask})
+            ids, mask = [], []
+        ids, mask = ids + x["input_ids"], mask + x["loss_mask"]
+    if ids:
+        sequences.append({"input_ids": ids, "loss_mask": mask})
+    return sequences
 
 
 def held_out_ids(records: list[dict], count: int) -> set:
@@ -257,6 +282,13 @@ def dataset_examples(data: DataConfig, tokenizer, seed: int, answered: set) -> t
     pairs = [conversation(r, data) for r in records]
     held_out = pairs[: data.eval_prompts]
     rest = [i for i in range(data.eval_prompts, len(pairs)) if pairs[i][1] and ids[i] not in answered]
+    if data.exclude_sources:
+        if "source" not in records.column_names:
+            raise ConfigError(
+                f"data.exclude_sources needs a 'source' field in {data.path} (columns: {records.column_names})"
+            )
+        sources = records["source"]
+        rest = [i for i in rest if sources[i] not in data.exclude_sources]
     if data.max_prompts is not None:
         rest = rest[: data.max_prompts]
     random.Random(seed).shuffle(rest)
