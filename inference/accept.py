@@ -78,18 +78,21 @@ def target_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gen
 
 
 def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None):
-    """(accepted node path, new tokens): the path's draft tokens, then the target's own token after it."""
+    """(order, deepest, new tokens) of accepted_order and accepted_tokens, the target picking its own token at every
+    node; on the device."""
     return accept_chosen(tree, target_tokens(logits, sampling, generator))
 
 
 def accept_chosen(tree: Tree, chosen: torch.Tensor):
     """accept() once the target's token at every node is picked ([N]; a batch's greedy picks are one argmax)."""
-    path = accepted_path(tree, chosen)
-    return path, torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
+    order, deepest = accepted_order(tree, chosen)
+    return order, deepest, accepted_tokens(tree, chosen, order, deepest)
 
 
-def accepted_path(tree: Tree, chosen: torch.Tensor) -> torch.Tensor:
-    """Node indices from the root to the deepest node whose whole path the target agrees with.
+def accepted_order(tree: Tree, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [N], deepest): every node index with the accepted path's nodes first (root first), and the deepest
+    node whose whole path the target agrees with. On the device, with no host read: a step reads all its rows'
+    outcomes back at once.
 
     chosen[i] is the target's token at node i; node i is right when tokens[i] == chosen[parent[i]].
     """
@@ -97,4 +100,21 @@ def accepted_path(tree: Tree, chosen: torch.Tensor) -> torch.Tensor:
     right[0] = True
     accepted = ~(tree.ancestors & ~right).any(dim=-1)
     deepest = torch.where(accepted, tree.depth, -1).argmax()
-    return tree.ancestors[deepest].nonzero().squeeze(-1)  # topological order = root first
+    nodes = torch.arange(tree.size, device=tree.tokens.device)
+    # a path's nodes in index order are root first (topological order); the other nodes after them
+    order = torch.where(tree.ancestors[deepest], nodes, nodes + tree.size).argsort()
+    return order, deepest
+
+
+def accepted_tokens(tree: Tree, chosen: torch.Tensor, order: torch.Tensor, deepest: torch.Tensor) -> torch.Tensor:
+    """[N]: the accepted path's draft tokens, then the target's own token after the deepest (at index
+    depth[deepest]); what follows is padding."""
+    following = tree.tokens[order.roll(-1)]
+    at = torch.arange(tree.size, device=tree.tokens.device)
+    return torch.where(at == tree.depth[deepest], chosen[deepest], following)
+
+
+def accepted_path(tree: Tree, chosen: torch.Tensor) -> torch.Tensor:
+    """Node indices from the root to the deepest node whose whole path the target agrees with."""
+    order, deepest = accepted_order(tree, chosen)
+    return order[: int(tree.depth[deepest]) + 1]

@@ -116,11 +116,18 @@ def keep_path(cache: Cache, past_length: int, path: torch.Tensor, tree_size: int
     cache.crop(kept - tree_size)  # crop takes a negative count of entries to drop
 
 
-def keep_paths(cache, cached: list[int], cache_length: int, paths: list[torch.Tensor]) -> list[int]:
+def keep_paths(
+    cache, cached: list[int], cache_length: int, paths: list[torch.Tensor], deepest: list[int] | None = None
+) -> list[int]:
     """Move each row's accepted path (node indices into the block appended after `cache_length`) to the row's own
-    end, crop the cache to the longest row, and return the rows' new committed lengths."""
+    end, crop the cache to the longest row, and return the rows' new committed lengths. `deepest`, each path's last
+    node when the caller has read it already, saves reading it here."""
     kept = [past + path.shape[0] for past, path in zip(cached, paths)]
-    if all(past == cache_length and int(path[-1]) == path.shape[0] - 1 for past, path in zip(cached, paths)):
+    lasts = deepest if deepest is not None else [None] * len(paths)
+    if all(
+        past == cache_length and (int(path[-1]) if last is None else last) == path.shape[0] - 1
+        for past, path, last in zip(cached, paths, lasts)
+    ):
         cache.crop(max(kept) - cache.get_seq_length())  # every path is its block's first nodes: already in place
         return kept
     device = paths[0].device

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -203,25 +204,38 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
 
 
 def cache_path(model, head: TrainedHeads | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
-    head_id = None
-    if head is not None:
-        weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
-        head_id = hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[
-            :16
-        ]  # an untrained early exit has no weights
     parts = [
-        TargetFingerprint.of(model).weights_sha256,
+        unchanged_since_last(model, "target", lambda: TargetFingerprint.of(model).weights_sha256),
         str(model.dtype),
         device_name(model.device),
         torch.get_num_threads(),
         torch.__version__,
         compiled_settings(model),
-        head_id,
+        None if head is None else unchanged_since_last(head, "head", lambda: head_id(head)),
         None if spec is None else (spec.depth, spec.top_k),
         MEASUREMENT_VERSION,
         batch,
     ]
     return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
+
+
+def head_id(head: TrainedHeads) -> str:
+    weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
+    return hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[:16]  # an untrained early exit has none
+
+
+_WORKED_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unchanged_since_last(module: torch.nn.Module, what: str, work_out):
+    """work_out(), or what it gave for `module` last time if none of its parameters has changed since (their
+    in-place version counters and storage; `.to()` swaps the storage): a fingerprint reads weights back to the host,
+    which every generate() call would otherwise pay for (on a GPU, one synchronisation a tensor)."""
+    versions = tuple((id(p), p._version, p.data_ptr(), p.dtype) for p in module.parameters())
+    known = _WORKED_OUT.setdefault(module, {})
+    if what not in known or known[what][0] != versions:
+        known[what] = (versions, work_out())
+    return known[what][1]
 
 
 def load_or_measure(

@@ -24,7 +24,7 @@ from .drafters import Drafter, drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
 from .stats import GenerationStats
-from .tree import Tree, additive_mask, verifiable_tree
+from .tree import Tree, additive_mask, is_chain, raise_tree_problems, verifiable_chain, verifiable_tree
 
 
 @dataclass
@@ -98,12 +98,14 @@ def decode(
         step_started = time.perf_counter()  # a step's time includes the drafter reading the last step's tokens
         observe(state)
         drafting = state.fallback.use_drafter()
-        trees = (
-            draft(state) if drafting else [Tree.chain(row.text[row.length - 1 : row.length]) for row in _active(state)]
-        )
+        if drafting:
+            trees, checks = draft(state)
+        else:
+            trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in _active(state)]
+            checks = []
         out = verify(state, trees)
         tokens_before = sum(row.length for row in _active(state))
-        going = accept_step(state, trees, out, drafting)
+        going = accept_step(state, trees, out, drafting, checks)
         # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
         committed = (sum(row.length for row in _active(state)) - tokens_before) / len(state.active)
         state.fallback.record(drafting, committed, time.perf_counter() - step_started)
@@ -114,19 +116,22 @@ def _active(state: Decoding) -> list[Row]:
     return [state.rows[index] for index in state.active]
 
 
-def commit(state: Decoding, row: Row, new: torch.Tensor) -> bool:
-    """Append accepted tokens, stopping at EOS like model.generate() and at max_new_tokens; True when the row is
-    done."""
-    stops = torch.isin(new, state.eos).nonzero()
-    if stops.shape[0]:
-        new = new[: int(stops[0]) + 1]
+def first_stop(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """The index of the first EOS in `tokens` (its length when there is none), on the device."""
+    at = torch.arange(tokens.shape[0], device=tokens.device)
+    return torch.where(torch.isin(tokens, eos), at, tokens.shape[0]).amin()
+
+
+def commit(state: Decoding, row: Row, new: torch.Tensor, ends_at_eos: bool) -> bool:
+    """Append accepted tokens (cut after the first EOS by the caller, as model.generate() stops there), and at most
+    max_new_tokens in all; True when the row is done."""
     new = new[: state.budget(row)]
     row.text[row.length : row.length + new.shape[0]] = new
     row.length += new.shape[0]
     if state.streamer is not None:
         state.streamer.put(new.cpu())
     row.stats.seconds = time.perf_counter() - state.started
-    return bool(stops.shape[0]) or state.budget(row) <= 0
+    return ends_at_eos or state.budget(row) <= 0
 
 
 def admit(state: Decoding) -> None:
@@ -144,7 +149,7 @@ def admit(state: Decoding) -> None:
             row.stats.target_seconds += spent
             row.stats.target_forwards += 1
             first = target_tokens(last_logits[slot][None], state.sampling, row.generator)
-            if not commit(state, row, first):
+            if not commit(state, row, first, bool(torch.isin(first, state.eos).any())):
                 going.append(slot)
             row.stats.time_to_first_token = time.perf_counter() - state.started
         if not going:  # every one of them ended at its first token
@@ -233,24 +238,41 @@ def observe(state: Decoding) -> None:
         state.to_observe = ([], [])
 
 
-def draft(state: Decoding) -> list[Tree]:
+@dataclass
+class DeferredCheck:
+    """A proposed chain's checks (tree_problems), read back with the step's outcome and raised before any commit."""
+
+    problems: torch.Tensor
+    proposed: Tree
+    root: torch.Tensor
+    drafter: str
+
+
+def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
     """Each row's tree for this step, checked and cut to what the row may still commit (the target adds its own
-    token after the deepest accepted draft)."""
+    token after the deepest accepted draft), and the checks still to read back: a chain's are read with the step's
+    outcome (one host read a step), a branching tree's before its pass (a repeated sibling is dropped first)."""
     rows = _active(state)
     depths = [state.budget(row) - 1 for row in rows]
     proposed = _timed(state, state.drafter.propose_rows, [row.text[: row.length] for row in rows], depths)
     name, vocab = drafter_name(state.drafter), state.model.config.vocab_size
-    return [
-        verifiable_tree(tree, row.text[row.length - 1], vocab, depth, name)
-        for tree, row, depth in zip(proposed, rows, depths)
-    ]
+    trees, checks = [], []
+    for tree, row, depth in zip(proposed, rows, depths):
+        root = row.text[row.length - 1]
+        if is_chain(tree):
+            checked, problems = verifiable_chain(tree, root, vocab, depth, name)
+            checks.append(DeferredCheck(problems, tree, root, name))
+            trees.append(checked)
+        else:
+            trees.append(verifiable_tree(tree, root, vocab, depth, name))
+    return trees, checks
 
 
 def verify(state: Decoding, trees: list[Tree]):
     """ONE target pass over every row's tree: each node sees its row's committed past and its own ancestors."""
     rows = _active(state)
     ids, positions, mask = tree_inputs(
-        trees, [row.cached for row in rows], state.cache.get_seq_length(), int(rows[0].text[0]), state.model.dtype
+        trees, [row.cached for row in rows], state.cache.get_seq_length(), 0, state.model.dtype
     )
     started = time.perf_counter()
     out = decoding_pass(state.model)(
@@ -292,28 +314,45 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     return ids, positions, additive_mask(allowed, dtype)[:, None]
 
 
-def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool) -> list[int]:
+def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks: list[DeferredCheck]) -> list[int]:
     """Each row's accepted path and new tokens: committed, their cache entries moved into place, and their hidden
-    states kept for the drafter. Returns the slots of the rows that go on."""
+    states kept for the drafter. Returns the slots of the rows that go on.
+
+    The step's one host read: every row's accepted depth and first EOS (and the deferred checks of proposed chains),
+    read back together; on a GPU each read waits for the device."""
     rows = _active(state)
     greedy = greedy_tokens(out.logits) if state.sampling.greedy else None  # [B, N]: one argmax for all rows
-    paths, going = [], []
+    outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
         if greedy is not None:
-            path, new = accept_chosen(tree, greedy[slot, : tree.size])
+            order, deepest, new = accept_chosen(tree, greedy[slot, : tree.size])
         else:
-            path, new = accept(tree, out.logits[slot, : tree.size], state.sampling, row.generator)
+            order, deepest, new = accept(tree, out.logits[slot, : tree.size], state.sampling, row.generator)
+        outcomes.append((order, new))
+        reads += [tree.depth[deepest], first_stop(new, state.eos), deepest]
+    values = torch.cat([torch.stack(reads)] + [check.problems.long() for check in checks]).tolist()
+    for index, check in enumerate(checks):
+        at = 3 * len(rows) + 5 * index
+        raise_tree_problems(
+            values[at : at + 5], check.proposed, check.root, state.model.config.vocab_size, check.drafter
+        )
+    paths, going = [], []
+    for slot, (row, tree, (order, new)) in enumerate(zip(rows, trees, outcomes)):
+        depth, stop = values[3 * slot], values[3 * slot + 1]
+        path = order[: depth + 1]
         paths.append(path)
         row.stats.plain_steps += not drafting
-        row.stats.count_depths(tree.max_depth, path.shape[0] - 1)
-        if not commit(state, row, new):
+        row.stats.count_depths(tree.max_depth, depth)
+        ends_at_eos = stop <= depth
+        if not commit(state, row, new[: (stop if ends_at_eos else depth) + 1], ends_at_eos):
             going.append(slot)
             state.to_observe[0].append(
                 {layer: out.hidden_states[layer][slot, path] for layer in state.drafter.hidden_layers}
             )
-            state.to_observe[1].append(new)
+            state.to_observe[1].append(new[: depth + 1])
     cache_length = state.cache.get_seq_length() - max(tree.size for tree in trees)  # before this step's trees
-    cached = keep_paths(state.cache, [row.cached for row in rows], cache_length, paths)
+    deepest = values[2 : 3 * len(rows) : 3]
+    cached = keep_paths(state.cache, [row.cached for row in rows], cache_length, paths, deepest)
     for row, length in zip(rows, cached):
         row.cached = length
     return going

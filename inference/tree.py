@@ -106,6 +106,36 @@ def verifiable_tree(
     two chances at one token would bias the output). All checks are vectorised and read back in ONE host
     transfer.
     """
+    problems, duplicate = tree_problems(tree, root, vocab_size, drafter)
+    flags = problems.tolist()
+    raise_tree_problems(flags, tree, root, vocab_size, drafter)
+    if flags[-1]:  # a repeated token
+        tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
+        tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
+    return tree.truncate(max_depth)
+
+
+def verifiable_chain(
+    tree, root: torch.Tensor, vocab_size: int, max_depth: int, drafter: str = "the drafter"
+) -> tuple[Tree, torch.Tensor]:
+    """(chain, problems) for a proposed tree that says it is a chain (max_depth = size - 1), without a host read:
+    a chain has no siblings to repeat a token, so nothing needs repairing before the target's pass, and its checks
+    (`problems`, for raise_tree_problems) are read back with the step's outcome, before anything is committed. The
+    chain verified is rebuilt from the proposed tokens (clamped into the vocabulary, cut to `max_depth`), so that
+    even a malformed proposal only makes a pass whose outcome is then refused."""
+    problems, _ = tree_problems(tree, root, vocab_size, drafter)
+    return Tree.chain(tree.tokens[: max_depth + 1].clamp(0, vocab_size - 1)), problems
+
+
+def is_chain(tree) -> bool:
+    """Whether a proposed tree says it is a chain (verifiable_chain checks that it is)."""
+    return isinstance(tree, Tree) and isinstance(tree.tokens, torch.Tensor) and tree.max_depth == tree.size - 1
+
+
+def tree_problems(tree, root: torch.Tensor, vocab_size: int | None, drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(problems [5] bool: wrong root, bad parents, bad tokens, inconsistent, repeated; duplicate [N] bool: the nodes
+    repeating an earlier sibling's token), on the device. What is wrong with the tree's types or shapes raises at
+    once."""
     if not isinstance(tree, Tree) or not all(
         isinstance(t, torch.Tensor) for t in (tree.tokens, tree.parents, tree.depth, tree.ancestors)
     ):
@@ -144,8 +174,14 @@ def verifiable_tree(
             | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
             duplicate.any(),
         ]
-    ).tolist()
-    wrong_root, bad_parents, bad_tokens, inconsistent, repeated = problems
+    )
+    return problems, duplicate
+
+
+def raise_tree_problems(problems: list[bool], tree: Tree, root: torch.Tensor, vocab_size: int | None, drafter: str):
+    """TreeError for the first of tree_problems' flags (read back) that is set, but for a repeated token."""
+    wrong_root, bad_parents, bad_tokens, inconsistent, _ = problems
+    tokens, parents = tree.tokens, tree.parents
     if wrong_root:
         raise TreeError(
             f"{drafter} proposed a tree rooted at token {int(tokens[0])}, but the last committed token is {int(root)}: "
@@ -165,9 +201,6 @@ def verifiable_tree(
             f"{drafter} proposed a tree whose depth, ancestors or max_depth disagree with its parents; build it with "
             "Tree.from_parents(tokens, parents) or Tree.chain(tokens)"
         )
-    if repeated:
-        tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
-    return tree.truncate(max_depth)
 
 
 def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:

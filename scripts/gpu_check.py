@@ -15,8 +15,9 @@ Four sections, each with the command line that made it:
 3. The engine at scale: a Llama-3.1-8B-shaped model with random weights, built on the device in bfloat16, driven by
    a drafter that replays a trained head's accepted lengths (ACCEPTED_LENGTHS) against HF greedy's continuation;
    the speedup over HF generate() on the same model, and where the loop's time goes.
-4. Host synchronisations per decode step of the default call, counted under torch.cuda.set_sync_debug_mode("warn"),
-   with the source lines that cause them (CUDA only: skipped on the CPU).
+4. Host synchronisations per decode step of the default call and of our loop alone, counted under
+   torch.cuda.set_sync_debug_mode("warn"), with the source lines that cause them; on the CPU, the reads of tensor
+   values back to Python that would synchronise a GPU (HostReadRecorder) stand in for them.
 
 The budget is kept by shrinking prompt counts: every section gets its share of the time left when it starts
 (BUDGET_SHARES) and stops taking prompts when the next one would likely end past it (one prompt at least).
@@ -723,10 +724,14 @@ class SyncRecorder:
     def showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
         if SYNC_WARNING not in str(message):
             return  # other warnings are not what this section counts
+        self.add(filename, lineno, traceback.extract_stack())
+
+    def add(self, filename: str, lineno: int, stack: traceback.StackSummary) -> None:
+        """One synchronisation made at filename:lineno, `stack` the frames that led there."""
         origin = next(
             (
                 frame
-                for frame in reversed(traceback.extract_stack())
+                for frame in reversed(stack)
                 if is_ours(frame.filename)
                 and (frame.filename, frame.lineno) != (filename, lineno)
                 and Path(frame.filename).resolve() != THIS_FILE
@@ -735,6 +740,36 @@ class SyncRecorder:
         )
         via = f"{shown_path(origin.filename)}:{origin.lineno}" if origin is not None and not is_ours(filename) else ""
         self.sources[f"{shown_path(filename)}:{lineno}", via] += 1
+
+
+# the calls by which Python reads a tensor's values: on a GPU each waits for the device (a host synchronisation)
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "numpy", "cpu", "nonzero", "unique"}
+HOST_READS |= {"unique_consecutive", "masked_select"}
+TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+class HostReadRecorder(torch.overrides.TorchFunctionMode):
+    """Counts, on any device, the calls that read a tensor's values back to Python (tolist, item, bool(), nonzero, a
+    boolean mask as an index...) into a SyncRecorder: each one synchronises a GPU, so on the CPU they stand in for
+    the synchronisations torch.cuda.set_sync_debug_mode counts there."""
+
+    def __init__(self, recorder: SyncRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        masked = name == "__getitem__" and any(
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool
+            for index in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if name in HOST_READS or masked:
+            stack = traceback.extract_stack()[:-1]
+            caller = next(
+                frame for frame in reversed(stack) if not Path(frame.filename).resolve().is_relative_to(TORCH_DIR)
+            )
+            self.recorder.add(caller.filename, caller.lineno, stack)
+        return func(*args, **(kwargs or {}))
 
 
 @functools.cache
@@ -771,6 +806,14 @@ def recording_syncs() -> Iterator[SyncRecorder]:
             torch.cuda.set_sync_debug_mode("default")
 
 
+@contextmanager
+def recording_host_reads() -> Iterator[SyncRecorder]:
+    """Every read of a tensor's values back to Python inside (HostReadRecorder), recorded with its source line."""
+    recorder = SyncRecorder()
+    with HostReadRecorder(recorder):
+        yield recorder
+
+
 def source_text(location: str) -> str:
     """The code at `path:line`, as the report quotes it."""
     path, _, line = location.rpartition(":")
@@ -783,45 +826,64 @@ def source_text(location: str) -> str:
 
 
 def syncs(models: Models, args, deadline: float) -> list[str]:
-    if models.device.type != "cuda":
-        return [
-            f"Needs CUDA: skipped on {models.device.type} (`torch.cuda.set_sync_debug_mode` counts the host's waits "
-            "for a CUDA device)."
-        ]
+    cuda = models.device.type == "cuda"
+    recording = recording_syncs if cuda else recording_host_reads
     model = models.small(models.speed_dtype)
     head = models.heads(model)[SPEED_HEAD]
     prompt = models.prompts(1)[0]
     progress = tqdm(total=3, desc="4. host synchronisations (calls)")
     generate(model, head, prompt, max_new_tokens=args.max_new_tokens)  # its trees calibrated and warm: not counted
     progress.update()
-    with recording_syncs() as ours:
+    with recording() as ours:
         out = generate(model, head, prompt, max_new_tokens=args.max_new_tokens)
     progress.update()
-    with recording_syncs() as hf:
+    with recording() as plain:
+        plain_out = generate(model, None, prompt, max_new_tokens=args.max_new_tokens, lookup=False, fallback=False)
+    with recording() as fixed:
+        fixed_out = generate(
+            model, head, prompt, max_new_tokens=args.max_new_tokens, tree=FIXED_TREE, lookup=False, fallback=False
+        )
+    with recording() as hf:
         reference = hf_greedy(model, prompt, args.max_new_tokens)
     progress.update()
     progress.close()
     steps = max(out.stats.target_forwards - 1, 1)
+    plain_steps = max(plain_out.stats.target_forwards - 1, 1)
+    fixed_steps = max(fixed_out.stats.target_forwards - 1, 1)
+    counted = (
+        'under `torch.cuda.set_sync_debug_mode("warn")` (each warning one host synchronisation)'
+        if cuda
+        else "counting every read of a tensor's values back to Python (`tolist`, `item`, `bool()`, `nonzero`, a "
+        "boolean index...: scripts/gpu_check.py's HostReadRecorder), each of which synchronises a GPU; without "
+        "CUDA they stand in for the synchronisations"
+    )
     lines = [
         f"One default call `generate(model, head, prompt)` with the {SPEED_HEAD} head, "
         f"{dtype_name(models.speed_dtype)}, eager, on the first prompt of section 1, {args.max_new_tokens} new tokens "
-        'at most, after an uncounted call, under `torch.cuda.set_sync_debug_mode("warn")` (each warning one host '
-        "synchronisation): "
+        f"at most, after an uncounted call, {counted}: "
         f"**{ours.count} synchronisations in {steps} decode steps and the prefill, {ours.count / steps:.2f} per "
-        f"decode step** ({out.stats.new_tokens} new tokens, tau {out.stats.mean_accepted:.2f}). HF generate() on "
-        f"the same prompt: {hf.count} in {len(reference)} new tokens, {hf.count / max(len(reference), 1):.2f} a token.",
+        f"decode step** ({out.stats.new_tokens} new tokens, tau {out.stats.mean_accepted:.2f}). Our loop without a "
+        f"drafter (`heads=None`): {plain.count} in {plain_steps} decode steps and the prefill, "
+        f"{plain.count / plain_steps:.2f} a step. The fixed tree of section 2 (no lookup, no fallback): "
+        f"{fixed.count} in {fixed_steps} decode steps and the prefill, {fixed.count / fixed_steps:.2f} a step. HF "
+        f"generate() on the same prompt: {hf.count} in {len(reference)} new tokens, "
+        f"{hf.count / max(len(reference), 1):.2f} a token.",
         "",
-        "Where ours come from, most frequent first (the line that synchronised; for a line outside this repository, "
-        "the innermost line of ours that led there):",
+        "Where the default call's come from, most frequent first (the line that synchronised; for a line outside this "
+        "repository, the innermost line of ours that led there):",
         "",
-        "| synchronisations | per decode step | line | code | reached from |",
-        "|---|---|---|---|---|",
     ]
-    for (location, via), count in ours.sources.most_common():
-        lines.append(
-            f"| {count} | {count / steps:.2f} | `{location}` | `{source_text(location)}` | {via and f'`{via}`'} |"
-        )
+    lines += source_rows(ours, steps) + ["", "The fixed tree's:", ""] + source_rows(fixed, fixed_steps)
     return lines
+
+
+def source_rows(recorder: SyncRecorder, steps: int) -> list[str]:
+    """A table of where the synchronisations came from, most frequent first."""
+    rows = ["| synchronisations | per decode step | line | code | reached from |", "|---|---|---|---|---|"]
+    for (location, via), count in recorder.sources.most_common():
+        code = source_text(location)
+        rows.append(f"| {count} | {count / steps:.2f} | `{location}` | `{code}` | {via and f'`{via}`'} |")
+    return rows
 
 
 # --- the report --------------------------------------------------------------------------------------------------

@@ -92,3 +92,26 @@ def test_loop_steps_are_timed_at_the_depth_asked(monkeypatch):
     assert len(asked) == 2  # one run a spec
     for spec, depths in zip(specs, asked):
         assert min(depths[: 2 + calibrate.LOOP_STEPS]) >= spec.depth
+
+
+def test_calibration_key_follows_weight_changes_without_rereading_unchanged_weights(monkeypatch):
+    """The key's fingerprints are worked out once per module while its weights stay as they are (every generate()
+    call asks for the key), and again as soon as a weight changes in place or moves to another dtype."""
+    import inference.calibrate as calibration
+
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config))
+    computed = []
+    real = calibration.head_id
+    monkeypatch.setattr(calibrate, "head_id", lambda h: computed.append(1) or real(h))
+    first = calibration.cache_path(model, head, None)
+    assert calibration.cache_path(model, head, None) == first and len(computed) == 1
+    with torch.no_grad():
+        next(head.parameters()).add_(1.0)
+    changed = calibration.cache_path(model, head, None)
+    assert changed != first and len(computed) == 2
+    head.to(torch.bfloat16)
+    assert calibration.cache_path(model, head, None) != changed and len(computed) == 3
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(2.0)
+    assert calibration.cache_path(model, head, None) != changed  # the target's fingerprint follows its weights too

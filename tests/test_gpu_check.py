@@ -46,8 +46,52 @@ def test_dry_run_reports_positive_speedups(report):
     assert all(ratio > 0 for ratio in speed + scale)
 
 
-def test_dry_run_skips_the_sync_count_without_cuda(report):
-    assert "Needs CUDA: skipped on cpu" in section(report, "syncs")
+def test_dry_run_counts_host_reads_in_place_of_syncs_without_cuda(report):
+    text = section(report, "syncs")
+    assert "HostReadRecorder" in text and "(`heads=None`)" in text and "The fixed tree's:" in text
+    loop_rows = re.findall(r"\| \d+ \| (\d+\.\d+) \| `inference/loop\.py:\d+`", text)
+    # the default call's rows, then the fixed tree's: the loop reads once a step (and a few times a call)
+    assert loop_rows and all(float(per_step) <= 1.2 for per_step in loop_rows), text
+
+
+def test_host_read_recorder_counts_reads_of_tensor_values_by_source_line():
+    recorder_lines = []
+    x = torch.arange(6)
+    with gpu_check.recording_host_reads() as recorder:
+        x.tolist()
+        recorder_lines.append(sys._getframe().f_lineno - 1)
+        if bool((x > 2).any()):  # a read
+            y = x[x > 2]  # a boolean index: a read (its size depends on the values)
+        recorder_lines.append(sys._getframe().f_lineno - 1)
+        z = (x * 2 + y.sum()).clamp(max=9)  # arithmetic on the device: no read
+        int(z[0])
+    here = "tests/test_gpu_check.py"
+    assert recorder.count == 4
+    assert recorder.sources[(f"{here}:{recorder_lines[0]}", "")] == 1
+    assert recorder.sources[(f"{here}:{recorder_lines[1]}", "")] == 1
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "replayed chains"])
+def test_the_loop_reads_the_host_once_a_decode_step(drafted):
+    """On a GPU every read of a tensor's values waits for the device: a step reads its outcome (each row's accepted
+    depth and first EOS, and a proposed chain's checks) back once. Two lengths of one prompt: each step more costs
+    one read more (what a call reads once, the prefill's and the output's, cancels out)."""
+    model = tiny_model(eos=None)
+    prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, prompt, 24)
+    runs = []
+    for new_tokens in (12, 24):
+        drafter = None
+        if drafted:
+            continuation = torch.cat([prompt, torch.tensor(reference)])
+            drafter = gpu_check.ReplayDrafter(continuation, 4, model.config.vocab_size, lengths=(1, 1, 1))
+        with gpu_check.recording_host_reads() as reads:
+            out = generate(model, drafter, prompt, max_new_tokens=new_tokens, lookup=False, fallback=False)
+        assert out.token_ids == reference[:new_tokens]
+        runs.append((out.stats.target_forwards, reads.count))
+    (short_passes, short_reads), (long_passes, long_reads) = runs
+    assert long_passes - short_passes >= 4
+    assert long_reads - short_reads == long_passes - short_passes, runs
 
 
 def test_replay_drafter_makes_every_step_accept_the_drawn_length():

@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from heads import MedusaConfig, MedusaHeads
 from inference import Sampling, Tree, compile_target, generate
-from inference.accept import accepted_path, target_probabilities, target_tokens
+from inference.accept import accept_chosen, target_probabilities, target_tokens
 from inference.drafters import TokenDrafter
 
 engine = importlib.import_module("inference.loop")  # the decode loop, whose acceptance rule is patched
@@ -96,8 +96,7 @@ def typical_acceptance(tree, logits, sampling, generator=None):
     likely[0] = False
     for node in likely.nonzero().flatten().flip(0):  # the first likely sibling wins
         chosen[tree.parents[node]] = tree.tokens[node]
-    path = accepted_path(tree, chosen)
-    return path, torch.cat([tree.tokens[path[1:]], chosen[path[-1:]]])
+    return accept_chosen(tree, chosen)
 
 
 class RepeatedSiblings(TokenDrafter):
