@@ -1,5 +1,7 @@
 import argparse
+import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
 import check_greedy  # noqa: E402
 import heldout_questions  # noqa: E402
+import unseen_questions  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads  # noqa: E402
 from training.corpus import write_shard  # noqa: E402
@@ -315,6 +318,23 @@ def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
     (tmp_path / "other.jsonl").write_text(json.dumps(prompts[0]) + "\n")
     with pytest.raises(SystemExit, match="distilled from another prompt file"):
         heldout_questions.heldout_questions(tmp_path / "other.jsonl", corpus, 2)
+
+
+def test_unseen_questions_are_seeded_and_put_each_text_under_one_request():
+    questions = unseen_questions.unseen_questions(3)
+    assert questions == unseen_questions.unseen_questions(3)  # the same file every run
+    assert [q["category"] for q in questions] == [c for c in unseen_questions.CATEGORIES for _ in range(3)]
+    modules = [q["question_id"].rsplit("-", 1)[1] for q in questions]
+    assert len(set(modules)) == len(modules)  # another text for every question
+    for question in questions:
+        request = unseen_questions.CATEGORIES[question["category"]].split("{text}")[0]
+        assert question["turns"][0].startswith(request) and len(question["turns"]) == 1
+    typos = [q for q in questions if q["category"] == "fix-typos"]
+    module = importlib.import_module(typos[0]["question_id"].rsplit("-", 1)[1])
+    words = set(re.findall(r"[A-Za-z]{5,}", module.__doc__))
+    assert any(word not in words for word in re.findall(r"[A-Za-z]{5,}", typos[0]["turns"][0].split("\n\n", 1)[1]))
+    with pytest.raises(SystemExit, match="docstrings are long enough"):
+        unseen_questions.unseen_questions(1000)
 
 
 def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
