@@ -766,7 +766,8 @@ class HostReadRecorder(torch.overrides.TorchFunctionMode):
         if name in HOST_READS or masked:
             stack = traceback.extract_stack()[:-1]
             caller = next(
-                frame for frame in reversed(stack) if not Path(frame.filename).resolve().is_relative_to(TORCH_DIR)
+                (frame for frame in reversed(stack) if not Path(frame.filename).resolve().is_relative_to(TORCH_DIR)),
+                stack[-1],
             )
             self.recorder.add(caller.filename, caller.lineno, stack)
         return func(*args, **(kwargs or {}))
