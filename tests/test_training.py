@@ -57,14 +57,11 @@ def mean_tau(model, tokenizer, head, prompts):
     return sum(taus) / len(taus)
 
 
-def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_chat, tmp_path):
-    from training.config import DataConfig
-    from training.corpus import read_corpus
-    from training.data import build_datasets
+def twelve_answer_corpus(tiny_chat, tmp_path):
+    """A corpus of the tiny chat model's answers to its first 12 prompts (first turns, 8 new tokens at most)."""
     from training.distill import DistillConfig, distill
 
-    model, tokenizer = load_target(str(tiny_chat / "model"))
-    corpus = distill(
+    return distill(
         DistillConfig(
             model=str(tiny_chat / "model"),
             dtype="float32",
@@ -76,6 +73,15 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
             workers=1,
         )
     )
+
+
+def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_chat, tmp_path):
+    from training.config import DataConfig
+    from training.corpus import read_corpus
+    from training.data import build_datasets
+
+    model, tokenizer = load_target(str(tiny_chat / "model"))
+    corpus = twelve_answer_corpus(tiny_chat, tmp_path)
     records = read_corpus(corpus)
     data = DataConfig(
         path=str(tiny_chat / "prompts.jsonl"),
@@ -128,21 +134,9 @@ def test_long_sequences_pack_whole_conversations_and_sources_can_be_left_out(tin
     from training.config import ConfigError, DataConfig
     from training.corpus import read_corpus
     from training.data import build_datasets
-    from training.distill import DistillConfig, distill
 
     model, tokenizer = load_target(str(tiny_chat / "model"))
-    corpus = distill(
-        DistillConfig(
-            model=str(tiny_chat / "model"),
-            dtype="float32",
-            prompts=str(tiny_chat / "prompts.jsonl"),
-            corpus_root=str(tmp_path / "distill"),
-            answers=12,
-            second_turn_share=0,
-            max_new_tokens=8,
-            workers=1,
-        )
-    )
+    corpus = twelve_answer_corpus(tiny_chat, tmp_path)
     records = read_corpus(corpus)
     data = DataConfig(
         path=str(tiny_chat / "prompts.jsonl"),
