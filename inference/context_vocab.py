@@ -24,9 +24,22 @@ def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))
 
 
+ROOM = 256  # added rows a vocabulary's buffer has room for at first (it grows by a quarter and this much)
+# How far the host's upper bound of the added rows may run past the count last read back before it is read again.
+# The vocabulary drafted from spans the bound, its rows past the count masked off: a wider projection by at most
+# this many rows, against one host read every few dozen committed tokens.
+BOUND_SLACK = 64
+
+
 class ContextVocabulary:
     """A drafter's vocabulary for the sequences it drafts for: `base` plus each row's tokens so far (when
-    `enabled` and `base` can grow: a reduced vocabulary over the target's lm_head rows)."""
+    `enabled` and `base` can grow: a reduced vocabulary over the target's lm_head rows).
+
+    The added tokens' rows are copied from the target's lm_head into a buffer after the base's, in the order they
+    were first read, and counted, on the device: drafting reads nothing back to the host (each read waits for a
+    GPU). The host keeps an upper bound of the count (every token read since the count was last read back might
+    be new); `current` spans the base and that bound, and the rows past the count are masked off (`unseen`).
+    """
 
     def __init__(self, base: DraftVocabulary, enabled: bool = True):
         self.base, self.enabled = base, enabled and base.extensible
@@ -34,26 +47,99 @@ class ContextVocabulary:
 
     def reset(self, rows: int = 1) -> None:
         self.current, self.unseen = self.base, None
-        self.shared = rows > 1  # one sequence alone has seen every token added for it: nothing to mask
+        self.shared = rows > 1  # one sequence alone has seen every token added for it
         self.read = [0] * rows  # how much of each row's text has been read
-        self.seen = (
-            torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=self.base.weight.device)
-            if self.enabled
-            else None
-        )
+        self.seen = None
+        if self.enabled:
+            device = self.base.weight.device
+            self.seen = torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=device)
+            self._empty(ROOM)
+
+    def _empty(self, room: int) -> None:
+        """No token added yet; a buffer with room for `room`."""
+        device = self.base.weight.device
+        self.member = torch.zeros(self.base.target_size, dtype=torch.bool, device=device)
+        self.member[self.base.ids] = True
+        self.count = torch.zeros((), dtype=torch.long, device=device)  # added rows, on the device
+        self.known = self.bound = 0  # the count as last read back, and an upper bound of it
+        self.weight = self.bias = self.ids = None
+        self._allocate(room)
+        self.current = self.base
+
+    def _allocate(self, room: int) -> None:
+        """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row that
+        takes the writes of tokens already in."""
+        size, old = self.base.base_size, self.weight
+        weight = self.base.weight.new_zeros(size + room + 1, self.base.weight.shape[1])
+        ids = self.base.ids.new_zeros(size + room + 1)
+        bias = None if self.base.bias is None else self.base.bias.new_zeros(size + room + 1)
+        with torch.no_grad():  # the target's rows: constants to a drafter
+            kept = size + self.bound if old is not None else size
+            weight[:kept] = self.base.weight if old is None else old[:kept]
+            ids[:kept] = self.base.ids if old is None else self.ids[:kept]
+            if bias is not None:
+                bias[:kept] = self.base.bias if old is None else self.bias[:kept]
+        self.weight, self.bias, self.ids, self.room = weight, bias, ids, room
+
+    def _add(self, tokens: torch.Tensor) -> None:
+        """Append the rows of `tokens` not in the vocabulary yet, each once."""
+        count = tokens.shape[0]
+        if count == 0:
+            return
+        if self.bound + count > self.room:
+            self.known = self.bound = int(self.count)  # one host read, when the bound would overrun the buffer
+        if self.bound + count > self.room:
+            self._allocate(max(self.room, self.bound + count + self.room // 4 + ROOM))
+        size, index = self.base.base_size, torch.arange(count, device=tokens.device)
+        first_at = torch.full_like(self.member, count, dtype=torch.long).scatter_reduce(0, tokens, index, "amin")
+        new = (first_at[tokens] == index) & ~self.member[tokens]  # a token's first read, not in yet
+        rows = torch.where(new, size + self.count + new.cumsum(0) - 1, size + self.room)  # the others: the spare row
+        weight, bias = self.base.target_rows
+        with torch.no_grad():
+            self.weight[rows] = weight[tokens]
+            self.ids[rows] = tokens
+            if bias is not None:
+                self.bias[rows] = bias[tokens]
+        self.member[tokens] = True
+        self.count = self.count + new.sum()
+        self.bound += count
+        if self.bound - self.known > BOUND_SLACK:
+            self.known = self.bound = int(self.count)  # one host read every few dozen tokens
+        end = size + self.bound
+        bias = None if self.bias is None else self.bias[:end]
+        self.current = self.base.with_rows(self.weight[:end], bias, self.ids[:end])
+
+    def _leave_inference_mode(self) -> None:
+        """Copies of the state made inside generate() (inference tensors, which only inference mode may write)."""
+        self.seen, self.member, self.count = self.seen.clone(), self.member.clone(), self.count.clone()
+        self.weight, self.ids = self.weight.clone(), self.ids.clone()
+        self.bias = None if self.bias is None else self.bias.clone()
+
+    def _mask_unseen(self) -> None:
+        """`unseen` [rows or 1, N]: the added rows not filled yet and, in a batch, those a row has not seen itself
+        (another row's tokens), so that it drafts what it would alone; None when there are none."""
+        size, width = self.base.base_size, self.current.weight.shape[0]
+        if width == size:
+            self.unseen = None
+            return
+        unfilled = torch.arange(width - size, device=self.count.device) >= self.count
+        added = unfilled[None] | (~self.seen[:, self.current.ids[size:]] if self.shared else False)
+        self.unseen = torch.zeros(added.shape[0], width, dtype=torch.bool, device=added.device)
+        self.unseen[:, size:] = added
 
     def read_texts(self, texts: list[torch.Tensor]) -> DraftVocabulary:
         """Take in what each row committed since the last call (texts[b]: row b's whole committed text) and
         return the vocabulary to draft from now."""
         if not self.enabled:
             return self.current
+        if self.seen.is_inference() and not torch.is_inference_mode_enabled():
+            self._leave_inference_mode()
         fresh = [text[start:] for text, start in zip(texts, self.read)]
         for row, tokens in enumerate(fresh):
             self.seen[row, tokens] = True
         self.read = [text.shape[0] for text in texts]
-        self.current = self.current.extended(torch.cat(fresh))
-        if self.shared:
-            self.unseen = self.current.unseen(self.seen)
+        self._add(torch.cat(fresh))
+        self._mask_unseen()
         return self.current
 
     def add_rows(self, count: int) -> None:
@@ -63,15 +149,16 @@ class ContextVocabulary:
         self.shared = len(self.read) > 1
         if self.enabled:
             self.seen = torch.cat([self.seen, self.seen.new_zeros(count, self.seen.shape[1])])
-            self.current = self.base.extended(self.seen.any(dim=0).nonzero()[:, 0])
-            self.unseen = self.current.unseen(self.seen) if self.shared else None
+            self._empty(self.room)
+            self._add(self.seen.any(dim=0).nonzero()[:, 0])  # a host read a joining row, not a step
+            self._mask_unseen()
 
     def keep_rows(self, rows: list[int]) -> None:
         """Only these rows go on (their order kept)."""
         self.read = [self.read[row] for row in rows]
         if self.enabled:
             self.seen = self.seen[rows]
-            self.unseen = self.current.unseen(self.seen)
+            self._mask_unseen()
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of logits [rows, ..., N] over `current`, each row's unseen tokens impossible."""

@@ -213,17 +213,18 @@ def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:
     return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
 
 
-def matched_depth(tokens: list[int], parents: list[int], committed: list[int]) -> int:
-    """How many of the `committed` tokens (what the target chose after the root, in order) a tree (its nodes'
-    tokens and parents, the root first) holds as a path from its root: the drafts it got accepted."""
-    children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if parent >= 0}
-    node, depth = 0, 0
-    for token in committed:
-        node = children.get((node, token))
-        if node is None:
-            break
-        depth += 1
-    return depth
+def matched_depth(tree: Tree, committed: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of the `committed` tokens (what the target chose after the root, in order) the tree holds as a path
+    from its root, through nodes `counted` [N] bool only (None: all): the drafts it got accepted. A 0-dim tensor,
+    worked out on the device."""
+    if committed.shape[0] == 0:
+        return torch.zeros((), dtype=torch.long, device=tree.depth.device)
+    wanted = committed[(tree.depth - 1).clamp(0, committed.shape[0] - 1)]  # the committed token at each node's depth
+    holds = (tree.depth == 0) | ((tree.depth <= committed.shape[0]) & (tree.tokens == wanted))
+    if counted is not None:
+        holds = holds & counted
+    on_path = ~(tree.ancestors & ~holds).any(dim=-1)  # the node and all its ancestors hold
+    return (tree.depth * on_path).max()
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from heads import DraftVocabulary, MedusaConfig, MedusaHeads
-from inference.context_vocab import ContextVocabulary
+from inference.context_vocab import BOUND_SLACK, ContextVocabulary
 from inference.drafters import as_drafter
 
 
@@ -14,41 +14,42 @@ def lm_head(vocab_size=20, hidden=4):
     return torch.nn.Linear(hidden, vocab_size, bias=False)
 
 
-def test_extended_appends_the_new_tokens_rows_from_the_target():
+def added(context: ContextVocabulary) -> list[int]:
+    """The tokens added to the base, in the order they joined (the rows past the count are not filled yet)."""
+    return context.current.ids[context.base.base_size :][: int(context.count)].tolist()
+
+
+def test_read_tokens_join_with_the_targets_rows_each_once():
     projection = lm_head()
-    base = DraftVocabulary(projection, torch.tensor([2, 5, 7]))
-    grown = base.extended(torch.tensor([7, 11, 3, 11]))  # 7 is in already; 11 twice
-    assert grown.ids.tolist() == [2, 5, 7, 3, 11] and base.ids.tolist() == [2, 5, 7]  # the base is left as it was
-    assert torch.equal(grown.weight, projection.weight[[2, 5, 7, 3, 11]])
-    assert grown.base_size == 3 and grown.member[[2, 3, 5, 7, 11]].all() and int(grown.member.sum()) == 5
-    assert grown.to_target(torch.tensor([3, 4])).tolist() == [3, 11] and grown.from_target(
-        torch.tensor([11, 4])
-    ).tolist() == [4, -100]
+    context = ContextVocabulary(DraftVocabulary(projection, torch.tensor([2, 5, 7])))
+    vocab = context.read_texts([torch.tensor([7, 11, 3, 11])])  # 7 is in already; 11 twice
+    assert added(context) == [11, 3] and context.base.ids.tolist() == [2, 5, 7]  # the base is left as it was
+    assert torch.equal(vocab.weight[:5], projection.weight[[2, 5, 7, 11, 3]])
+    assert vocab.to_target(torch.tensor([3, 4])).tolist() == [11, 3]
     features = torch.randn(2, 4)
-    torch.testing.assert_close(grown.logits(features), projection(features)[:, [2, 5, 7, 3, 11]])
-    assert grown.extended(torch.tensor([2, 3])) is grown  # nothing new: no copy
+    torch.testing.assert_close(vocab.logits(features)[:, :5], projection(features)[:, [2, 5, 7, 11, 3]])
+    # the vocabulary spans the host's bound of what was added (4 tokens read): the 2 rows not filled are impossible
+    log_probs = context.log_probs(vocab.logits(features))
+    assert vocab.weight.shape[0] == 3 + 4 and (log_probs[:, 5:].exp() == 0).all()
+    torch.testing.assert_close(log_probs[:, :5], torch.log_softmax(projection(features)[:, [2, 5, 7, 11, 3]], -1))
+    context.read_texts([torch.tensor([7, 11, 3, 11, 2, 3])])  # nothing new
+    assert added(context) == [11, 3]
 
 
-def test_vocabularies_grown_from_one_another_keep_their_own_rows():
-    """Rows are appended in place after the newest vocabulary's; growing an older one again must not overwrite
-    what a newer one holds (nor the base's)."""
+def test_the_vocabulary_grows_past_its_room_and_the_bound_is_read_back():
     torch.manual_seed(0)
-    projection = torch.nn.Linear(4, 20)  # with a bias, grown alike
-    base = DraftVocabulary(projection, torch.tensor([2, 5, 7]))
-    first = base.extended(torch.tensor([3]))
-    second = first.extended(torch.tensor([11]))  # the newest: its row is written in place after first's
-    other = first.extended(torch.tensor([13, 1]))  # first grown again: must not land where 11's row is
-    again = base.extended(torch.tensor([9]))
-    for vocab, ids in [
-        (base, [2, 5, 7]),
-        (first, [2, 5, 7, 3]),
-        (second, [2, 5, 7, 3, 11]),
-        (other, [2, 5, 7, 3, 1, 13]),
-        (again, [2, 5, 7, 9]),
-    ]:
-        assert vocab.ids.tolist() == ids
-        assert torch.equal(vocab.weight, projection.weight[ids]), ids
-        assert torch.equal(vocab.bias, projection.bias[ids]), ids
+    projection = torch.nn.Linear(4, 2000)  # with a bias, grown alike
+    context = ContextVocabulary(DraftVocabulary(projection, torch.tensor([2, 5, 7])))
+    text = torch.randperm(2000)[:700]
+    for end in (1, 40, 41, 300, 700):  # read piece by piece; past BOUND_SLACK and past ROOM
+        vocab = context.read_texts([text[:end]])
+        expected = [token for token in text[:end].tolist() if token not in (2, 5, 7)]
+        assert added(context) == expected
+        filled = 3 + len(expected)
+        assert torch.equal(vocab.weight[:filled], projection.weight[vocab.ids[:filled]])
+        assert torch.equal(vocab.bias[:filled], projection.bias[vocab.ids[:filled]])
+        assert vocab.weight.shape[0] - filled <= BOUND_SLACK  # at most this many rows not filled yet
+    assert context.room >= 697 and context.bound == 697  # read back once the bound ran past the slack
 
 
 def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
@@ -57,7 +58,7 @@ def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
     own = DraftVocabulary(torch.nn.Linear(4, 3, bias=False), torch.tensor([2, 5, 7]), own_rows=True, target_size=20)
     assert not own.extensible
     with pytest.raises(ValueError, match="rows of its own"):
-        own.extended(torch.tensor([3]))
+        _ = own.target_rows
     assert (
         not ContextVocabulary(own).enabled
         and not ContextVocabulary(DraftVocabulary(projection, torch.tensor([1])), enabled=False).enabled
@@ -67,27 +68,38 @@ def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
 def test_each_row_drafts_only_the_tokens_it_has_seen():
     context = ContextVocabulary(DraftVocabulary(lm_head(), torch.tensor([2, 5])))
     context.reset(rows=2)
-    vocab = context.read_texts([torch.tensor([9, 2]), torch.tensor([4, 9, 5])])
-    assert vocab.ids.tolist() == [2, 5, 4, 9]
-    assert context.unseen.tolist() == [[False, False, True, False], [False, False, False, False]]  # row 0 never saw 4
-    log_probs = context.log_probs(torch.zeros(2, 3, 4))  # [rows, frontier, N]
+    context.read_texts([torch.tensor([9, 2]), torch.tensor([4, 9, 5])])
+    assert added(context) == [9, 4]
+    seen = ~context.unseen[:, :4]
+    assert seen.tolist() == [[True, True, True, False], [True, True, True, True]]  # row 0 never saw 4
+    assert context.unseen[:, 4:].all()  # rows not filled
+    log_probs = context.log_probs(torch.zeros(2, 3, context.current.weight.shape[0]))  # [rows, frontier, N]
     probabilities = log_probs.exp()
-    assert (probabilities[0, :, 2] == 0).all()
-    torch.testing.assert_close(
-        probabilities[0, :, [0, 1, 3]], torch.full((3, 3), 1 / 3)
-    )  # as if the row drafted from 3 tokens
-    torch.testing.assert_close(probabilities[1], torch.full((3, 4), 1 / 4))
-    vocab = context.read_texts([torch.tensor([9, 2, 13]), torch.tensor([4, 9, 5, 5])])  # only what is new is read
-    assert vocab.ids.tolist() == [2, 5, 4, 9, 13] and context.unseen[1].tolist() == [False, False, False, False, True]
+    assert (probabilities[0, :, 3:] == 0).all() and (probabilities[1, :, 4:] == 0).all()
+    torch.testing.assert_close(probabilities[0, :, :3], torch.full((3, 3), 1 / 3))  # as if it drafted from 3 tokens
+    torch.testing.assert_close(probabilities[1, :, :4], torch.full((3, 4), 1 / 4))
+    context.read_texts([torch.tensor([9, 2, 13]), torch.tensor([4, 9, 5, 5])])  # only what is new is read
+    assert added(context) == [9, 4, 13] and (~context.unseen[1, :5]).tolist() == [True, True, True, True, False]
     context.keep_rows([1])  # row 0 finished: row 1 still may not draft 13
-    assert context.unseen.tolist() == [[False, False, False, False, True]]
+    assert (~context.unseen[0, :5]).tolist() == [True, True, True, True, False]
     context.add_rows(1)  # a new row joins: the vocabulary is rebuilt from the live rows' tokens, without 13
-    assert context.current.ids.tolist() == [2, 5, 4, 9]
-    vocab = context.read_texts([torch.tensor([4, 9, 5, 5]), torch.tensor([7, 2])])
-    assert vocab.ids.tolist() == [2, 5, 4, 9, 7]
-    assert context.unseen.tolist() == [[False, False, False, False, True], [False, False, True, True, False]]
+    assert sorted(added(context)) == [4, 9]
+    context.read_texts([torch.tensor([4, 9, 5, 5]), torch.tensor([7, 2])])
+    assert added(context)[2:] == [7]
+    where = {token: index for index, token in enumerate(context.current.ids[:5].tolist())}
+    assert not context.unseen[0, where[4]] and not context.unseen[0, where[9]] and context.unseen[0, where[7]]
+    assert context.unseen[1, where[4]] and context.unseen[1, where[9]] and not context.unseen[1, where[7]]
     context.reset()
     assert context.current.ids.tolist() == [2, 5] and context.unseen is None
+
+
+def test_a_vocabulary_grown_inside_inference_mode_grows_on_outside_it():
+    context = ContextVocabulary(DraftVocabulary(lm_head(), torch.tensor([2, 5])))
+    with torch.inference_mode():
+        context.reset()
+        context.read_texts([torch.tensor([9, 2])])
+    context.read_texts([torch.tensor([9, 2, 11])])
+    assert added(context) == [9, 11]
 
 
 def test_heads_with_lm_heads_of_their_own_do_not_grow():

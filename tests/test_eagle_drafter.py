@@ -6,8 +6,8 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
-from inference import DynamicTreeSpec, EagleDrafter, generate
-from inference.drafters import draft_copy_tokens
+from inference import DynamicTreeSpec, EagleDrafter, Tree, generate
+from inference.bigrams import bigram_table, draft_copies
 
 
 def recompute(head, model, tokens, draft_tokens, skipped=0):
@@ -86,19 +86,40 @@ def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
 
 def test_draft_nodes_copy_along_their_own_paths():
     committed = [5, 6, 7, 8, 5, 6, 9, 7, 8]  # the root is the last 8
-    successors = {}
-    copy_tokens(committed, successors=successors)  # the bigram map as reading the committed pairs leaves it
-    before = dict(successors)
-    # root -> 5 -> 6 -> 7 and root -> 9: (8, 5) was followed by 6, then (5, 6) latest by 9, (6, 7) by 8; (8, 9) never
-    # seen
-    node_tokens, parents, frontier = [8, 5, 9, 6, 7], [-1, 0, 0, 1, 3], [1, 2, 3, 4]
-    found = draft_copy_tokens(committed[-2:], node_tokens, parents, frontier, successors)
-    expected = [6, NO_COPY, 9, 8]
-    assert [
-        copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7])
-    ] == expected  # the whole-text reading
-    assert found == expected
-    assert successors == before  # drafts leave the committed map alone
+    # paths below the root: (8, 5) was followed by 6, (8, 9) never; (5, 6) latest by 9, (6, 7) by 8
+    table = bigram_table([torch.tensor(committed)], 10)
+    tails = torch.tensor([committed[-2:]])
+    assert draft_copies(table, tails, torch.tensor([[[5], [9]]])).tolist() == [[6, NO_COPY]]
+    assert draft_copies(table, tails, torch.tensor([[[5, 6]]])).tolist() == [[9]]
+    assert draft_copies(table, tails, torch.tensor([[[5, 6, 7]]])).tolist() == [[8]]
+    # a path that repeats its own bigram copies from itself: 8 -> 5 -> 8 -> 5 reads (8, 5) last followed by 8
+    assert draft_copies(table, tails, torch.tensor([[[5, 8, 5]]])).tolist() == [[8]]
+    assert [copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7], [5, 8, 5])] == [
+        6,
+        NO_COPY,
+        9,
+        8,
+        8,
+    ]  # the whole-text reading that training uses
+
+
+def test_the_bigram_table_gives_the_copy_tokens_training_reads():
+    """On random texts of a small vocabulary (repeats everywhere), batched rows of any length, one token included:
+    every committed pair's copy token and every draft path's equal heads.eagle.copy_tokens over the whole text."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=generator))
+
+    for _ in range(200):
+        rows = draw(1, 5)
+        texts = [torch.randint(0, 4, (draw(1, 20),), generator=generator) for _ in range(rows)]
+        table = bigram_table(texts, 6)
+        assert [copies.tolist() for copies in table.copies] == [copy_tokens(text.tolist()) for text in texts]
+        paths = torch.randint(0, 4, (rows, 3, draw(1, 6)), generator=generator)
+        tails = torch.stack([torch.cat([torch.tensor([-1]), text])[-2:] for text in texts])
+        expected = [[copy_tokens(text.tolist() + path.tolist())[-1] for path in row] for text, row in zip(texts, paths)]
+        assert draft_copies(table, tails, paths).tolist() == expected
 
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():
@@ -173,9 +194,9 @@ def test_an_overconfident_head_is_discounted():
     drafter = EagleDrafter(head, model, DynamicTreeSpec(depth=3, top_k=2, nodes=6))
     prompt = torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(3))
     generate(model, drafter, prompt, max_new_tokens=24, fallback=False)
-    assert drafter.reliability() < 0.5
+    assert float(drafter.reliability()) < 0.5
     drafter.reset()
-    assert drafter.reliability() == 1.0
+    assert float(drafter.reliability()) == 1.0
 
 
 def test_an_underconfident_head_is_trusted_more():
@@ -188,13 +209,15 @@ def test_an_underconfident_head_is_trusted_more():
         EagleHead(EagleConfig.for_target(model.config)).eval(), model, DynamicTreeSpec(depth=2, top_k=2, nodes=3)
     )
     hidden = {layer: torch.zeros(3, model.config.hidden_size) for layer in drafter.hidden_layers}
-    drafter.rows[0].guess = ([7, 3, 4, 5], [-1, 0, 0, 1], 1.0)  # a tree expected to get one draft accepted
+    tree = Tree.from_parents(torch.tensor([7, 3, 4, 5]), torch.tensor([-1, 0, 0, 1]))
+    drafter.rows[0].guess = (tree, None, torch.tensor(1.0))  # a tree expected to get one draft accepted
     drafter.observe(hidden, torch.tensor([3, 5, 9]))  # it got two: 3, then 5 below it (9 the target's own)
-    assert drafter.reliability() == pytest.approx((0.9 + 2) / (0.9 + 1.0))  # decayed sums over a prior of one and one
+    # decayed sums over a prior of one and one
+    assert float(drafter.reliability()) == pytest.approx((0.9 + 2) / (0.9 + 1.0))
     for _ in range(5):
-        drafter.rows[0].guess = ([7, 3, 4, 5], [-1, 0, 0, 1], 0.1)
+        drafter.rows[0].guess = (tree, None, torch.tensor(0.1))
         drafter.observe(hidden, torch.tensor([3, 5, 9]))
-    assert drafter.reliability() == MAX_RELIABILITY
+    assert float(drafter.reliability()) == MAX_RELIABILITY
 
 
 def three_token_head():

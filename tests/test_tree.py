@@ -146,11 +146,15 @@ def test_merge_holds_every_path_of_both_once(a, b):
 
 def test_matched_depth_follows_the_committed_tokens_down_the_tree():
     # root 7; children 3 (node 1) and 4 (node 2); 3 -> 5 (node 3); 4 -> 5 (node 4)
-    tokens, parents = [7, 3, 4, 5, 5], [-1, 0, 0, 1, 2]
-    assert matched_depth(tokens, parents, [4, 5, 9]) == 2  # both drafts on the 4 branch, then the bonus token
-    assert matched_depth(tokens, parents, [3, 6]) == 1
-    assert matched_depth(tokens, parents, [5]) == 0  # a token deeper in the tree, but not a child of the root
-    assert matched_depth([7], [-1], [3, 4]) == 0
+    tree = Tree.from_parents(torch.tensor([7, 3, 4, 5, 5]), torch.tensor([-1, 0, 0, 1, 2]))
+    assert int(matched_depth(tree, torch.tensor([4, 5, 9]))) == 2  # both drafts on the 4 branch, then the bonus token
+    assert int(matched_depth(tree, torch.tensor([3, 6]))) == 1
+    assert int(matched_depth(tree, torch.tensor([5]))) == 0  # a token deeper in the tree, but not a child of the root
+    assert int(matched_depth(tree, torch.tensor([4]))) == 1  # committed tokens run out before the tree does
+    assert int(matched_depth(tree, torch.tensor([], dtype=torch.long))) == 0
+    assert int(matched_depth(Tree.from_parents(torch.tensor([7]), torch.tensor([-1])), torch.tensor([3, 4]))) == 0
+    # only counted nodes hold: node 4 was grafted in, not drafted
+    assert int(matched_depth(tree, torch.tensor([4, 5]), torch.tensor([True, True, True, True, False]))) == 1
 
 
 def test_the_next_step_drafts_one_level_deeper_only_when_the_deepest_paid():

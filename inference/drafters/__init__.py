@@ -11,7 +11,7 @@ from heads import EagleHead, EarlyExitHead, MedusaHeads
 from ..tree import TreeError
 from .base import Drafter, NoDrafter, SequenceDrafter, TokenDrafter, drafter_name, root_only
 from .dynamic import MAX_RELIABILITY, RELIABILITY_DECAY, DraftNodes, DynamicTreeDrafter, drafted_nodes
-from .eagle import EagleDrafter, draft_copy_tokens
+from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
 from .lookup import PromptLookupDrafter
 from .medusa import MedusaDrafter, SequentialMedusaDrafter, medusa_tree_spec
@@ -96,7 +96,6 @@ __all__ = [
     "TokenDrafter",
     "TrainedHeads",
     "as_drafter",
-    "draft_copy_tokens",
     "drafted_nodes",
     "drafter_class",
     "drafter_name",

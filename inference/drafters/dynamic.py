@@ -3,8 +3,7 @@ Medusa heads): the trees grow level by level, one head pass a level for every ro
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,10 +40,11 @@ class DraftRow:
     length: int = 0  # committed entries in the draft cache
     # How far the drafter's probabilities hold on this sequence: decayed sums of the drafts its trees were expected
     # to get accepted (the kept nodes' probabilities) and of those the target then committed (a prior of one
-    # expected and one accepted). `guess`: the last tree kept (tokens, parents, expected), till the target's answer.
+    # expected and one accepted), kept on the device. `guess`: the last tree kept (the tree, its nodes the drafter
+    # drafted or None for all, the drafts expected), till the target's answer.
     guess: tuple | None = None
-    expected: float = 1.0
-    realised: float = 1.0
+    expected: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
+    realised: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
     skipped: int = 0  # a long prompt's start, never read (prompt_window): cache entry i is text token skipped + i
 
 
@@ -63,6 +63,7 @@ class DynamicTreeDrafter(Drafter):
     """
 
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
+    draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
     def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str, context_vocab: bool = True):
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
@@ -127,17 +128,17 @@ class DynamicTreeDrafter(Drafter):
         if self.cache.get_seq_length():
             self.cache.crop(max(self.lengths, default=0) - self.cache.get_seq_length())
 
-    def reliability(self, row: int = 0) -> float:
-        """Accepted over expected drafts of this row's recent trees (at most MAX_RELIABILITY): below 1 an
-        overconfident head, above 1 an underconfident one, whose probabilities would keep trees too small."""
-        return min(MAX_RELIABILITY, self.rows[row].realised / self.rows[row].expected)
+    def reliability(self, row: int = 0) -> torch.Tensor:
+        """Accepted over expected drafts of this row's recent trees (at most MAX_RELIABILITY), a 0-dim tensor: below
+        1 an overconfident head, above 1 an underconfident one, whose probabilities would keep trees too small."""
+        return (self.rows[row].realised / self.rows[row].expected).clamp(max=MAX_RELIABILITY)
 
     def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
         for row, tokens in zip(self.rows, next_tokens):
             if row.guess is not None:  # tokens: what the target committed after the root
-                tree_tokens, parents, expected = row.guess
+                tree, drafted, expected = row.guess
                 row.expected = RELIABILITY_DECAY * row.expected + expected
-                row.realised = RELIABILITY_DECAY * row.realised + matched_depth(tree_tokens, parents, tokens.tolist())
+                row.realised = RELIABILITY_DECAY * row.realised + matched_depth(tree, tokens, drafted)
                 row.guess = None
 
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
@@ -274,7 +275,8 @@ class DynamicTreeDrafter(Drafter):
             return None
         rows, device = len(texts), self.last.device
         k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
-        nodes = DraftNodes(torch.stack([text[-1] for text in texts]), drafted_nodes(deepest, k), self.vocab)
+        roots = torch.stack([text[-1] for text in texts])
+        nodes = DraftNodes(roots, drafted_nodes(deepest, k), self.vocab, deepest if self.draft_paths else 0)
         frontier = nodes.add_children(
             torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
         )
@@ -300,7 +302,7 @@ class DynamicTreeDrafter(Drafter):
 
     def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
         """Row `row`'s first `count` drafts' log-probabilities, scaled by how far they have held (reliability)."""
-        return nodes.scores[row, 1:count] + math.log(max(self.reliability(row), 1e-6))
+        return nodes.scores[row, 1:count] + self.reliability(row).clamp(min=1e-6).log()
 
     def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
         """(levels, drafts a row keeps) for a batch, priced once for all rows (best_shared_tree): one pass verifies
@@ -333,7 +335,7 @@ class DynamicTreeDrafter(Drafter):
         keep = select_best_nodes(scores, depth, keep_count)
         tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
         state = self.rows[row]
-        state.guess = (tree.tokens.tolist(), tree.parents.tolist(), float(scores[keep[1:]].exp().sum()))  # EAGLE-2's
+        state.guess = (tree, None, scores[keep[1:]].exp().sum())
         if width is None and self.spec.cost is not None and max_depth >= state.level:  # not when the caller capped it
             state.level = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
         return tree
@@ -387,13 +389,9 @@ class DynamicTreeDrafter(Drafter):
         for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
             keep = select_best_nodes(believed, depth, width)
             tree = subtree(tokens, parents, depth, ancestors, keep)
-            drafted = keep[keep < count]  # the head's reliability is judged by its own drafts only
-            guess = tree if drafted.shape[0] == keep.shape[0] else subtree(tokens, parents, depth, ancestors, drafted)
-            self.rows[row].guess = (
-                guess.tokens.tolist(),
-                guess.parents.tolist(),
-                float(nodes.scores[row, drafted[1:]].exp().sum()),
-            )
+            drafted = keep < count  # the head's reliability is judged by its own drafts only
+            expected = (nodes.scores[row, keep.clamp(max=count - 1)].exp() * drafted)[1:].sum()
+            self.rows[row].guess = (tree, drafted, expected)
             trees.append(tree)
         return trees, held
 
@@ -402,9 +400,11 @@ class DraftNodes:
     """Trees being grown, one a row, in lockstep: node 0 is each root; children are appended level by level
     (the same count a level in every row, so node i has the same depth in every row) with their path scores."""
 
-    def __init__(self, roots: torch.Tensor, capacity: int, vocab: DraftVocabulary):
+    def __init__(self, roots: torch.Tensor, capacity: int, vocab: DraftVocabulary, path_depth: int = 0):
         rows, device = roots.shape[0], roots.device
-        self.vocab, self.count = vocab, 1
+        self.vocab, self.count, self.level = vocab, 1, 0
+        # with path_depth: each node's tokens below the root, its own at [depth - 1] (the EAGLE head's copy input)
+        self.paths = torch.zeros(rows, capacity, path_depth, dtype=torch.long, device=device) if path_depth else None
         self.tokens = torch.empty(rows, capacity, dtype=torch.long, device=device)
         self.parents = torch.empty_like(self.tokens)
         self.depth = torch.empty(capacity, dtype=torch.long, device=device)
@@ -432,10 +432,17 @@ class DraftNodes:
             1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])
         )
         self.ancestors[:, children, children] = True
-        self.count += width
+        self.count, self.level = self.count + width, self.level + 1  # a level at a time: children are one deeper
+        if self.paths is not None:
+            self.paths[:, children] = self.paths.gather(1, parents[..., None].expand(-1, -1, self.paths.shape[2]))
+            self.paths[:, children, self.level - 1] = self.tokens[:, children]
         return children.expand(rows, -1)
 
     def ancestors_among(self, nodes: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
         """[rows, N, M]: whether among[b, m] is an ancestor of nodes[b, n] (or the node itself)."""
         own = self.ancestors.gather(1, nodes[..., None].expand(-1, -1, self.ancestors.shape[2]))
         return own.gather(2, among[:, None, :].expand(-1, nodes.shape[1], -1))
+
+    def path_tokens(self, nodes: torch.Tensor, depth: int) -> torch.Tensor:
+        """[rows, N, depth]: the tokens below the root on the paths to nodes[b, n], all `depth` deep."""
+        return self.paths.gather(1, nodes[..., None].expand(-1, -1, self.paths.shape[2]))[..., :depth]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections import ChainMap
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from heads import NO_COPY, EagleHead, copy_embedding, copy_tokens
+from heads import NO_COPY, EagleHead, copy_embedding
 
+from ..bigrams import bigram_table, draft_copies
 from ..compiled_heads import compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
@@ -18,7 +19,6 @@ from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
 @dataclass
 class EagleRow(DraftRow):
     pending: list = field(default_factory=list)  # observed (features, next tokens) pairs not read yet
-    successors: dict = field(default_factory=dict)  # committed bigram -> next token (the copy input)
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -37,11 +37,13 @@ class EagleDrafter(DynamicTreeDrafter):
         self.head, self.embed = head, model.get_input_embeddings()
         self.run_head = compiled_head(head, model)  # compiled like the target's passes, or the head itself
         self.hidden_layers = tuple(head.config.feature_layers)
+        self.draft_paths = head.config.copy_input  # a draft node's copy token reads its path
         self.reset()
 
     def reset(self, rows: int = 1) -> None:
         super().reset(rows)
-        self.tails = None  # each row's last two committed tokens, for the copy tokens of draft nodes
+        # with the copy input: the committed bigrams (inference.bigrams) and each row's last two committed tokens
+        self.bigrams, self.tails = None, None
 
     def new_row(self) -> EagleRow:
         return EagleRow(level=self.spec.depth)
@@ -56,7 +58,11 @@ class EagleDrafter(DynamicTreeDrafter):
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text."""
         copy_input = self.head.config.copy_input
-        self.tails = [text[-2:].tolist() for text in texts] if copy_input else None
+        if copy_input:
+            self.bigrams = bigram_table(texts, self.embed.weight.shape[0])
+            self.tails = torch.stack(
+                [text[-2:] if text.shape[0] > 1 else F.pad(text, (1, 0), value=-1) for text in texts]
+            )
         counts = [sum(tokens.shape[0] for _, tokens in row.pending) for row in self.rows]
         if not any(counts):
             return
@@ -68,13 +74,9 @@ class EagleDrafter(DynamicTreeDrafter):
                 read.append(None)
                 continue
             copies = None
-            if copy_input:  # the bigram map holds the text before; pairs from the row's end need one token back
+            if copy_input:  # pair t reads tokens t and t + 1 of the committed text
                 start = state.skipped + state.length
-                offset = max(start - 1, 0)
-                found = copy_tokens(
-                    texts[row][offset:].tolist(), start - offset, start - offset + count, state.successors
-                )
-                copies = torch.tensor(found, device=device)
+                copies = self.bigrams.copies[row][start : start + count]
             skip = self._skip(state, count)  # after the copy tokens: the bigrams of a whole prompt are cheap to keep
             features = torch.cat([f for f, _ in state.pending])[skip:]
             tokens = torch.cat([t for _, t in state.pending])[skip:]
@@ -114,15 +116,10 @@ class EagleDrafter(DynamicTreeDrafter):
         positions: torch.Tensor,
     ) -> torch.Tensor:
         copies = None
-        if self.tails is not None:  # one transfer of the trees so far, then the paths are walked on the host
-            node_tokens, parents = nodes.tokens[:, : nodes.count].tolist(), nodes.parents[:, : nodes.count].tolist()
-            found = [
-                draft_copy_tokens(tail, tokens, row_parents, row_frontier, successors)
-                for tail, tokens, row_parents, row_frontier, successors in zip(
-                    self.tails, node_tokens, parents, frontier.tolist(), [row.successors for row in self.rows]
-                )
-            ]
-            copies = copy_embedding(self.embed, torch.tensor(found, device=frontier.device))
+        if self.tails is not None:
+            copies = copy_embedding(
+                self.embed, draft_copies(self.bigrams, self.tails, nodes.path_tokens(frontier, depth))
+            )
         return self.run_head(
             states,
             self.embed(nodes.tokens.gather(1, frontier)),
@@ -131,19 +128,3 @@ class EagleDrafter(DynamicTreeDrafter):
             attention_mask=mask,
             cache=self.cache,
         )
-
-
-def draft_copy_tokens(
-    tail: list[int], node_tokens: list[int], parents: list[int], frontier: list[int], successors: dict
-) -> list[int]:
-    """Copy tokens of draft nodes: the committed text (`tail`: its last two tokens, the root last) continued by
-    each node's path, read on top of the committed bigrams (`successors`) without changing them."""
-    found = []
-    for node in frontier:
-        path = []
-        while node > 0:  # up to the root, node 0
-            path.append(node_tokens[node])
-            node = parents[node]
-        text = tail + path[::-1]
-        found.append(copy_tokens(text, len(tail) - 1, len(text) - 1, ChainMap({}, successors))[-1])
-    return found
