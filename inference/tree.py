@@ -9,7 +9,7 @@ derived here by pure tensor functions, tested on their own in tests/test_tree.py
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,7 +58,7 @@ class Tree:
     parents: torch.Tensor  # [N] long, parents[0] == -1
     depth: torch.Tensor  # [N] long, root 0
     ancestors: torch.Tensor  # [N, N] bool, includes self
-    max_depth: int
+    max_depth: int | None  # None: not read back yet (verifiable_tree reads it with the tree's checks)
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, *, check: bool = True) -> Tree:
@@ -107,8 +107,11 @@ def verifiable_tree(
     transfer.
     """
     problems, duplicate = tree_problems(tree, root, vocab_size, drafter)
-    flags = problems.tolist()
+    values = torch.cat([problems.long(), tree.depth.max()[None]]).tolist()
+    flags = values[:5]
     raise_tree_problems(flags, tree, root, vocab_size, drafter)
+    if tree.max_depth is None:
+        tree = replace(tree, max_depth=values[5])
     if flags[-1]:  # a repeated token
         tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
         tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
@@ -169,7 +172,7 @@ def tree_problems(tree, root: torch.Tensor, vocab_size: int | None, drafter: str
             ((tokens < 0) | (tokens >= vocab_size if vocab_size is not None else tokens < 0)).any(),
             (depth[0] != 0)
             | (depth[1:] != depth[parent[1:]] + 1).any()
-            | (depth.max() != tree.max_depth)
+            | ((depth.max() != tree.max_depth) if tree.max_depth is not None else False)
             | (ancestors[0] != own[0]).any()
             | (ancestors[1:] != (ancestors[parent[1:]] | own[1:])).any(),
             duplicate.any(),
@@ -203,14 +206,16 @@ def raise_tree_problems(problems: list[bool], tree: Tree, root: torch.Tensor, vo
         )
 
 
-def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor) -> Tree:
-    """The tree on nodes `keep` (ascending, ancestor-closed), with parents renumbered."""
+def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor, *, read_depth: bool = True) -> Tree:
+    """The tree on nodes `keep` (ascending, ancestor-closed), with parents renumbered. `read_depth=False` leaves its
+    max_depth None, for the loop to read back with the tree's checks (verifiable_tree): one host read fewer."""
     new_index = torch.full_like(parents, -1)
     new_index[keep] = torch.arange(keep.shape[0], device=keep.device)
     kept_parents = parents[keep]
     kept_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], kept_parents)
     kept_depth = depth[keep]
-    return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], int(kept_depth.max()))
+    max_depth = int(kept_depth.max()) if read_depth else None
+    return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], max_depth)
 
 
 def matched_depth(tree: Tree, committed: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
@@ -330,14 +335,15 @@ def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> 
 
     A child's score never exceeds its parent's; breaking ties toward the shallower node keeps the
     selection ancestor-closed even when a step had probability 1. Nodes scored -inf or NaN (a head with
-    non-finite weights) are impossible drafts and never kept; a child of one is one too.
+    non-finite weights; a child of one is one too) are impossible drafts: they rank after every possible node,
+    the deeper lower, so they are kept only where there are fewer possible nodes than `count` (verifying them
+    costs a wider pass, never exactness), and how many are possible is never read back to the host.
     """
     possible = scores > float("-inf")  # False for NaN as well
     possible[0] = True
-    key = torch.where(possible, scores.double() - 1e-9 * depth.double(), float("-inf"))
+    key = torch.where(possible, scores.double() - 1e-9 * depth.double(), -1e30 * (1 + depth.double()))
     key[0] = float("inf")
-    count = min(count + 1, int(possible.sum()))
-    return key.topk(count).indices.sort().values
+    return key.topk(min(count + 1, scores.shape[0])).indices.sort().values
 
 
 def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float):

@@ -186,6 +186,16 @@ def test_select_best_nodes_is_ancestor_closed_even_with_ties():
     assert select_best_nodes(scores, depth, 10).tolist() == [0, 1, 2, 3]
 
 
+def test_impossible_nodes_rank_after_every_possible_one_and_stay_ancestor_closed():
+    # root; 1 (possible) -> 3 (NaN); 2 (-inf) -> 4 (-inf): the possible ones first, then the shallower impossible one
+    scores = torch.tensor([0.0, -1.0, float("-inf"), float("nan"), float("-inf")])
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    assert select_best_nodes(scores, depth, 1).tolist() == [0, 1]
+    assert select_best_nodes(scores, depth, 2).tolist() == [0, 1, 2]  # the shallower impossible node first
+    assert select_best_nodes(scores, depth, 3).tolist()[:3] == [0, 1, 2]  # then either of depth 2: both closed
+    assert select_best_nodes(scores, depth, 10).tolist() == [0, 1, 2, 3, 4]
+
+
 def test_dynamic_tree_spec_validates():
     with pytest.raises(TreeError):
         DynamicTreeSpec(depth=0)

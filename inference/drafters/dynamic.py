@@ -333,7 +333,7 @@ class DynamicTreeDrafter(Drafter):
                 self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes
             )
         keep = select_best_nodes(scores, depth, keep_count)
-        tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep)
+        tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep, read_depth=False)
         state = self.rows[row]
         state.guess = (tree, None, scores[keep[1:]].exp().sum())
         if width is None and self.spec.cost is not None and max_depth >= state.level:  # not when the caller capped it
@@ -388,7 +388,7 @@ class DynamicTreeDrafter(Drafter):
         trees = []
         for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
             keep = select_best_nodes(believed, depth, width)
-            tree = subtree(tokens, parents, depth, ancestors, keep)
+            tree = subtree(tokens, parents, depth, ancestors, keep, read_depth=False)
             drafted = keep < count  # the head's reliability is judged by its own drafts only
             expected = (nodes.scores[row, keep.clamp(max=count - 1)].exp() * drafted)[1:].sum()
             self.rows[row].guess = (tree, drafted, expected)
