@@ -8,6 +8,7 @@ derived here by pure tensor functions, tested on their own in tests/test_tree.py
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -68,6 +69,20 @@ class Tree:
                 raise TreeError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ in shape")
         depth, ancestors, max_depth = depths_and_ancestors(parents)
         return cls(tokens, parents, depth, ancestors, max_depth)
+
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], device: torch.device | str = "cpu") -> Tree:
+        """A tree whose tokens and parents (well-formed) are on the host already: its depths and ancestors are worked
+        out there too, so nothing is read back from the device."""
+        depth, ancestors = [0], [[0]]
+        for node, parent in enumerate(parents[1:], start=1):
+            depth.append(depth[parent] + 1)
+            ancestors.append(ancestors[parent] + [node])
+        matrix = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+        for node, row in enumerate(ancestors):
+            matrix[node, row] = True
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls(as_tensor(tokens), as_tensor(parents), as_tensor(depth), matrix.to(device), max(depth))
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> Tree:
@@ -388,14 +403,20 @@ def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float)
 def merge_trees(first: Tree, second: Tree) -> Tree:
     """One tree holding every root-to-node path of both (shared prefixes once). Roots must agree.
 
-    A loop over the second tree's nodes (a copied span: ~10), on Python ints; far below a forward pass.
+    A loop over the second tree's nodes (a copied span: ~10), on Python ints read back in one transfer; far below a
+    forward pass.
     """
-    if int(first.tokens[0]) != int(second.tokens[0]):
+    both = torch.cat([first.tokens, first.parents, second.tokens, second.parents]).tolist()
+    tokens, parents = both[: first.size], both[first.size : 2 * first.size]
+    second_tokens, second_parents = (
+        both[2 * first.size : 2 * first.size + second.size],
+        both[2 * first.size + second.size :],
+    )
+    if tokens[0] != second_tokens[0]:
         raise TreeError("cannot merge trees with different roots")
-    tokens, parents = first.tokens.tolist(), first.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
     mapped = [0]
-    for parent, token in zip(second.parents.tolist()[1:], second.tokens.tolist()[1:]):
+    for parent, token in zip(second_parents[1:], second_tokens[1:]):
         key = (mapped[parent], token)
         if key not in child:
             child[key] = len(tokens)
@@ -404,5 +425,4 @@ def merge_trees(first: Tree, second: Tree) -> Tree:
         mapped.append(child[key])
     if len(tokens) == first.size:
         return first
-    device = first.tokens.device
-    return Tree.from_parents(torch.tensor(tokens, device=device), torch.tensor(parents, device=device), check=False)
+    return Tree.from_lists(tokens, parents, first.tokens.device)

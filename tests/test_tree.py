@@ -142,6 +142,17 @@ def test_merge_holds_every_path_of_both_once(a, b):
     assert root_to_node_paths(merged) == root_to_node_paths(ta) | root_to_node_paths(tb)
     # only nodes of the second tree that duplicate nothing are added
     assert merged.size <= ta.size + tb.size - 1
+    assert torch.equal(Tree.from_parents(merged.tokens, merged.parents).depth, merged.depth)
+    assert merged.max_depth == int(merged.depth.max())
+
+
+@settings(max_examples=50, deadline=None)
+@given(random_trees(20))
+def test_a_tree_from_host_lists_is_the_tree_from_its_parents(a):
+    from_lists, from_parents = Tree.from_lists(a[0].tolist(), a[1].tolist()), Tree.from_parents(a[0], a[1])
+    for field in ("tokens", "parents", "depth", "ancestors"):
+        assert torch.equal(getattr(from_lists, field), getattr(from_parents, field)), field
+    assert from_lists.max_depth == from_parents.max_depth
 
 
 def test_matched_depth_follows_the_committed_tokens_down_the_tree():
