@@ -28,12 +28,15 @@ class PromptLookupDrafter(TokenDrafter):
         """(the copied tokens, at most min(num_tokens, max_depth) of them; the n of the n-gram they follow, 0 when
         nothing was copied)."""
         length = tokens.shape[0]
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+        sizes = range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1)
+        latest = []  # for each n, the latest start of an earlier occurrence of the last n tokens (-1: none)
+        for n in sizes:
             windows = tokens[: length - 1].unfold(0, n, 1)  # every n-gram with at least one token after it
-            starts = (windows == tokens[length - n :]).all(dim=-1).nonzero()
-            if starts.shape[0]:
-                begin = int(starts[-1]) + n
-                span = tokens[begin : begin + min(self.num_tokens, max_depth)]
+            hits = (windows == tokens[length - n :]).all(dim=-1)
+            latest.append(torch.where(hits, torch.arange(hits.shape[0], device=tokens.device), -1).max())
+        for n, start in zip(sizes, torch.stack(latest).tolist() if latest else []):  # one host read
+            if start >= 0:
+                span = tokens[start + n : start + n + min(self.num_tokens, max_depth)]
                 return span, n if span.shape[0] else 0
         return tokens[:0], 0
 
