@@ -94,6 +94,30 @@ def test_the_loop_reads_the_host_once_a_decode_step(drafted):
     assert long_reads - short_reads == long_passes - short_passes, runs
 
 
+def test_a_fixed_eagle_tree_reads_the_host_twice_a_decode_step():
+    """The EAGLE drafter keeps its state on the device (its copy input, its reliability, the context vocabulary):
+    a step of a fixed tree reads the tree's checks and depth before its pass and its outcome after it."""
+    from heads import EagleConfig, EagleHead
+    from inference import DynamicTreeSpec
+
+    model = tiny_model(eos=None)
+    torch.manual_seed(0)
+    config = EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=32)
+    head = EagleHead(config).eval()  # its draft vocabulary, 32 tokens, grows with the tokens read
+    prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    reference = hf_greedy(model, prompt, 24)
+    tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8)
+    runs = []
+    for new_tokens in (12, 24):
+        with gpu_check.recording_host_reads() as reads:
+            out = generate(model, head, prompt, max_new_tokens=new_tokens, tree=tree, lookup=False, fallback=False)
+        assert out.token_ids == reference[:new_tokens]
+        runs.append((out.stats.target_forwards, reads.count))
+    (short_passes, short_reads), (long_passes, long_reads) = runs
+    assert long_passes - short_passes >= 4
+    assert long_reads - short_reads == 2 * (long_passes - short_passes), runs
+
+
 def test_replay_drafter_makes_every_step_accept_the_drawn_length():
     model = tiny_model(eos=None)  # no EOS: every step decodes, and the last one exactly fills the budget
     prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
