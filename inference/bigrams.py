@@ -20,8 +20,9 @@ from heads import NO_COPY
 class BigramTable:
     """Every row's committed bigrams, sorted, with what followed each.
 
-    keys[i]: a bigram's key (row * V + first) * V + second, ascending, a bigram's occurrences in text order.
-    successors[i]: the token after the latest occurrence up to keys[i]'s that has a token after it (NO_COPY if none).
+    keys[i]: a bigram's key (row * V + first) * V + second, ascending; one entry an occurrence, in text order.
+    successors[i]: the token that followed keys[i]'s bigram there, or, for a row's last bigram (nothing after it
+    yet), at its occurrence before (NO_COPY if none). A lookup reads a key's last entry: its latest occurrence.
     copies[b][t]: row b's copy token of pair t, copy_tokens(texts[b])[t].
     """
 
