@@ -354,11 +354,16 @@ def select_best_nodes(scores: torch.Tensor, depth: torch.Tensor, count: int) -> 
     the deeper lower, so they are kept only where there are fewer possible nodes than `count` (verifying them
     costs a wider pass, never exactness), and how many are possible is never read back to the host.
     """
+    return selection_key(scores, depth).topk(min(count + 1, scores.shape[0])).indices.sort().values
+
+
+def selection_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """select_best_nodes' order: the root first, then by score, the shallower first at a tie, impossible nodes last."""
     possible = scores > float("-inf")  # False for NaN as well
     possible[0] = True
     key = torch.where(possible, scores.double() - 1e-9 * depth.double(), -1e30 * (1 + depth.double()))
     key[0] = float("inf")
-    return key.topk(min(count + 1, scores.shape[0])).indices.sort().values
+    return key
 
 
 def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .tree import TreeError
+from .tree import TreeError, selection_key
 
 
 def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:
@@ -99,6 +100,25 @@ def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: 
     expected = torch.cat([torch.ones(probs.shape[0], 1), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=0)
     seconds = torch.tensor([cost.draft_step + draft_cost + cost(n + 1) for n in range(expected.shape[0])])
     return expected / seconds
+
+
+def best_nodes(
+    scores: torch.Tensor, depth: torch.Tensor, shift: torch.Tensor, cost: PassCost, draft_cost: float, limit: int
+) -> tuple[torch.Tensor, int]:
+    """One tree's nodes that pay for themselves, in ONE host read: (the root and the best_node_count likeliest
+    drafts, ascending, as select_best_nodes keeps them; how deep they reach).
+
+    scores [N]: the root's and the drafts' path log-probabilities; depth [N]; `shift`: added to the drafts' scores
+    for their believed probabilities (the log of the drafter's reliability)."""
+    order = selection_key(scores, depth).argsort(descending=True)[: limit + 1]  # the root first
+    believed = (scores[order[1:]] + shift).float().exp()
+    reach = depth[order].cummax(dim=0).values  # how deep the first n + 1 nodes reach
+    read = torch.cat([believed, reach.float()]).tolist()
+    drafts = believed.shape[0]
+    expected = itertools.accumulate(read[:drafts], initial=1.0)  # token_rates' arithmetic, on Python floats
+    rates = [tokens / (cost.draft_step + draft_cost + cost(n + 1)) for n, tokens in enumerate(expected)]
+    count = rates.index(max(rates))  # the first best, as argmax
+    return order[: count + 1].sort().values, int(read[drafts + count])
 
 
 def best_shared_tree(

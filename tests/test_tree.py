@@ -24,6 +24,7 @@ from inference.tree_size import (
     DynamicTreeSpec,
     PassCost,
     best_node_count,
+    best_nodes,
     best_shared_tree,
     best_static_paths,
     default_accuracy,
@@ -231,6 +232,30 @@ def test_best_node_count_keeps_what_pays_for_itself():
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))  # 0.05 a token: only likely drafts pay
     assert best_node_count(confident, gentle, 0.1, limit=5) == 5
     assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0
+
+
+def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one_read():
+    generator = torch.Generator().manual_seed(0)
+    costs = [
+        PassCost(tokens=(1, 8), relative=(1.0, 1.35)),
+        PassCost(tokens=(1, 64), relative=(1.0, 1.0)),
+        PassCost(tokens=(1, 2), relative=(1.0, 2.0), draft_step=0.5),
+    ]
+    for trial in range(60):
+        count = int(torch.randint(2, 30, (1,), generator=generator))
+        parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, count)]
+        tree = Tree.from_lists(list(range(count)), parents)
+        steps = torch.rand(count, generator=generator).log()
+        scores = torch.zeros(count)
+        for node in range(1, count):  # a child is never likelier than its parent
+            scores[node] = scores[parents[node]] + steps[node]
+        if trial % 3 == 0:
+            scores[count // 2 :] = float("-inf")  # impossible drafts (their children are too)
+        shift, cost, limit = torch.tensor(0.3 * (trial % 4) - 0.4), costs[trial % 3], 1 + trial % 12
+        keep, reach = best_nodes(scores, tree.depth, shift, cost, 0.05, limit)
+        kept = best_node_count(scores[1:] + shift, cost, 0.05, limit)
+        assert keep.tolist() == select_best_nodes(scores, tree.depth, kept).tolist()
+        assert reach == int(tree.depth[keep].max())
 
 
 def test_what_every_step_pays_weighs_for_larger_trees():

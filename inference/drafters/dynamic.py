@@ -3,7 +3,7 @@ Medusa heads): the trees grow level by level, one head pass a level for every ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -13,7 +13,7 @@ from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
 from ..padding import prefill_groups, right_padded_mask
 from ..tree import Tree, TreeError, additive_mask, graft_span, matched_depth, select_best_nodes, subtree
-from ..tree_size import DynamicTreeSpec, best_node_count, best_shared_tree, next_depth, token_rates
+from ..tree_size import DynamicTreeSpec, best_nodes, best_shared_tree, next_depth, token_rates
 from .base import Drafter, root_only
 
 RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
@@ -302,7 +302,10 @@ class DynamicTreeDrafter(Drafter):
 
     def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
         """Row `row`'s first `count` drafts' log-probabilities, scaled by how far they have held (reliability)."""
-        return nodes.scores[row, 1:count] + self.reliability(row).clamp(min=1e-6).log()
+        return nodes.scores[row, 1:count] + self._log_reliability(row)
+
+    def _log_reliability(self, row: int) -> torch.Tensor:
+        return self.reliability(row).clamp(min=1e-6).log()
 
     def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
         """(levels, drafts a row keeps) for a batch, priced once for all rows (best_shared_tree): one pass verifies
@@ -324,20 +327,21 @@ class DynamicTreeDrafter(Drafter):
             return root_only(nodes.tokens[row, :1])
         count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
-        keep_count = self.spec.nodes
+        reach = None  # how deep the kept nodes go, where known on the host
         if width is not None:
-            keep_count = width
-        elif self.spec.cost is not None:  # keep what pays for itself
-            cost = self.spec.cost
-            keep_count = best_node_count(
-                self._believed(nodes, row, count), cost, depth_limit * cost.draft_level, self.spec.nodes
-            )
-        keep = select_best_nodes(scores, depth, keep_count)
+            keep = select_best_nodes(scores, depth, width)
+        elif self.spec.cost is None:
+            keep = select_best_nodes(scores, depth, self.spec.nodes)
+        else:  # keep what pays for itself
+            cost, shift = self.spec.cost, self._log_reliability(row)
+            keep, reach = best_nodes(scores, depth, shift, cost, depth_limit * cost.draft_level, self.spec.nodes)
         tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep, read_depth=False)
+        if reach is not None:
+            tree = replace(tree, max_depth=reach)
         state = self.rows[row]
         state.guess = (tree, None, scores[keep[1:]].exp().sum())
-        if width is None and self.spec.cost is not None and max_depth >= state.level:  # not when the caller capped it
-            state.level = next_depth(int(depth[keep].max()), depth_limit, self.spec.depth)
+        if reach is not None and max_depth >= state.level:  # not when the caller capped it
+            state.level = next_depth(reach, depth_limit, self.spec.depth)
         return tree
 
     def _select_grafted(
