@@ -15,6 +15,8 @@ import torch
 
 from heads import NO_COPY
 
+from .transfer import to_device
+
 
 @dataclass(frozen=True)
 class BigramTable:
@@ -51,7 +53,7 @@ def bigram_table(texts: list[torch.Tensor], vocab_size: int) -> BigramTable:
         empty = torch.empty(0, dtype=torch.long, device=device)
         return BigramTable(empty, empty, [empty for _ in texts], vocab_size)
     row = torch.repeat_interleave(
-        torch.arange(len(texts), device=device), torch.tensor(lengths, device=device), output_size=total
+        torch.arange(len(texts), device=device), to_device(lengths, device), output_size=total
     )
     within = row[:-1] == row[1:]  # position s starts a bigram of one row
     start = torch.arange(total - 1, device=device)

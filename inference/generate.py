@@ -27,6 +27,7 @@ from .drafters import (
 from .fallback import JUDGE, Fallback
 from .loop import decode
 from .stats import Generation, GenerationStats
+from .transfer import to_device
 
 __all__ = ["Generation", "GenerationStats", "Plan", "generate", "plan"]
 
@@ -81,7 +82,7 @@ def generate(
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
     chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
-    eos = torch.tensor(_eos_ids(model), dtype=torch.long, device=model.device)
+    eos = to_device(_eos_ids(model), model.device)
     if streamer is not None:
         streamer.put(ids[0][None].cpu())
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
@@ -94,7 +95,7 @@ def generate(
     results = []
     for row in decoded:
         row.stats.new_tokens = row.length - row.prompt_length
-        tokens = row.new_tokens.tolist()
+        tokens = row.new_tokens
         text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
         results.append(Generation(tokens, text, row.stats))
     return results if batch else results[0]

@@ -15,6 +15,7 @@ import inspect
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
@@ -24,14 +25,25 @@ from .drafters import Drafter, drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
 from .stats import GenerationStats
-from .tree import Tree, additive_mask, is_chain, raise_tree_problems, verifiable_chain, verifiable_tree
+from .transfer import to_device
+from .tree import (
+    Tree,
+    additive_mask,
+    is_chain,
+    raise_tree_problems,
+    verifiable_chain,
+    verifiable_host_tree,
+    verifiable_tree,
+)
 
 
 @dataclass
 class Row:
-    """One prompt's sequence: its text (prompt, then new tokens) in a buffer of its final size, filled to `length`."""
+    """One prompt's sequence: its text (prompt, then new tokens) in a buffer of its final size, filled to `length`,
+    on the device and, read back with each step's outcome, on the host."""
 
     text: torch.Tensor
+    host_text: np.ndarray
     length: int
     prompt_length: int
     generator: torch.Generator | None
@@ -39,8 +51,8 @@ class Row:
     cached: int = 0  # entries of its committed tokens (all but the last) in the target's cache
 
     @property
-    def new_tokens(self) -> torch.Tensor:
-        return self.text[self.prompt_length : self.length]
+    def new_tokens(self) -> list[int]:
+        return self.host_text[self.prompt_length : self.length].tolist()
 
 
 @dataclass
@@ -51,7 +63,7 @@ class Decoding:
     drafter: Drafter
     fallback: Fallback
     sampling: Sampling
-    eos: torch.Tensor
+    eos: frozenset[int]
     max_new_tokens: int
     batch_size: int
     rows: list[Row]  # every prompt's, in the prompts' order
@@ -86,9 +98,12 @@ def decode(
     for prompt, generator in zip(prompts, generators, strict=True):
         text = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
         text[: prompt.shape[0]] = prompt
-        rows.append(Row(text, prompt.shape[0], prompt.shape[0], generator))
+        host_text = np.empty(text.shape[0], dtype=np.int64)
+        host_text[: prompt.shape[0]] = prompt.cpu().numpy()
+        rows.append(Row(text, host_text, prompt.shape[0], prompt.shape[0], generator))
+    stops = frozenset(eos.tolist())
     state = Decoding(
-        model, drafter, fallback, sampling, eos, max_new_tokens, batch_size, rows, list(range(len(rows))), streamer
+        model, drafter, fallback, sampling, stops, max_new_tokens, batch_size, rows, list(range(len(rows))), streamer
     )
     drafter.reset(0)
     while True:
@@ -116,22 +131,23 @@ def _active(state: Decoding) -> list[Row]:
     return [state.rows[index] for index in state.active]
 
 
-def first_stop(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """The index of the first EOS in `tokens` (its length when there is none), on the device."""
-    at = torch.arange(tokens.shape[0], device=tokens.device)
-    return torch.where(torch.isin(tokens, eos), at, tokens.shape[0]).amin()
+def first_stop(tokens: list[int], eos: frozenset[int]) -> int | None:
+    """The index of the first EOS in `tokens`, or None."""
+    return next((at for at, token in enumerate(tokens) if token in eos), None)
 
 
-def commit(state: Decoding, row: Row, new: torch.Tensor, ends_at_eos: bool) -> bool:
-    """Append accepted tokens (cut after the first EOS by the caller, as model.generate() stops there), and at most
-    max_new_tokens in all; True when the row is done."""
-    new = new[: state.budget(row)]
-    row.text[row.length : row.length + new.shape[0]] = new
-    row.length += new.shape[0]
+def commit(state: Decoding, row: Row, new: torch.Tensor, host_new: list[int]) -> bool:
+    """Append accepted tokens (`new` on the device, `host_new` the same read back), cut after the first EOS as
+    model.generate() stops there, and at most max_new_tokens in all; True when the row is done."""
+    stop = first_stop(host_new, state.eos)
+    count = min(len(host_new) if stop is None else stop + 1, state.budget(row))
+    row.text[row.length : row.length + count] = new[:count]
+    row.host_text[row.length : row.length + count] = host_new[:count]
+    row.length += count
     if state.streamer is not None:
-        state.streamer.put(new.cpu())
+        state.streamer.put(torch.tensor(host_new[:count]))
     row.stats.seconds = time.perf_counter() - state.started
-    return ends_at_eos or state.budget(row) <= 0
+    return stop is not None or state.budget(row) <= 0
 
 
 def admit(state: Decoding) -> None:
@@ -149,13 +165,13 @@ def admit(state: Decoding) -> None:
             row.stats.target_seconds += spent
             row.stats.target_forwards += 1
             first = target_tokens(last_logits[slot][None], state.sampling, row.generator)
-            if not commit(state, row, first, bool(torch.isin(first, state.eos).any())):
+            if not commit(state, row, first, first.tolist()):
                 going.append(slot)
             row.stats.time_to_first_token = time.perf_counter() - state.started
         if not going:  # every one of them ended at its first token
             continue
         if len(going) < len(rows):
-            keep_rows(cache, torch.tensor(going, device=last_logits.device))
+            keep_rows(cache, to_device(going, last_logits.device))
             cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
         if state.active:
             append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
@@ -174,14 +190,15 @@ def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dty
     """Right-padded prompts: input_ids [B, P], position_ids [B, P] and an additive mask [B, 1, P, P] (causal
     within each prompt; a padding position sees only itself), or None when no prompt is padded (the model's own
     causal mask: a long prompt's mask would take P * P numbers)."""
-    lengths = torch.tensor([p.shape[0] for p in prompts], device=prompts[0].device)
-    width = int(lengths.max())
-    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=lengths.device)
+    sizes, device = [p.shape[0] for p in prompts], prompts[0].device
+    width = max(sizes)
+    ids = torch.full((len(prompts), width), pad_token, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         ids[row, : prompt.shape[0]] = prompt
-    positions = torch.arange(width, device=lengths.device).expand(len(prompts), -1)
-    aligned = bool((lengths == width).all())
-    return ids, positions, None if aligned else right_padded_mask(lengths, width, dtype)
+    positions = torch.arange(width, device=device).expand(len(prompts), -1)
+    if all(size == width for size in sizes):
+        return ids, positions, None
+    return ids, positions, right_padded_mask(to_device(sizes, device), width, dtype)
 
 
 def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
@@ -194,9 +211,10 @@ def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     keys, values, last_logits, hidden = None, None, [None] * count, [None] * count
     for group in prefill_groups(lengths):
-        ids, positions, mask = prefill_inputs([prompts[row] for row in group], int(prompts[0][0]), model.dtype)
-        ends = torch.tensor([lengths[row] - 1 for row in group], device=ids.device)
-        last = ends.unique()  # sorted: only the prompts' last logits are computed
+        # token 0 pads: any token would do, padding is masked off
+        ids, positions, mask = prefill_inputs([prompts[row] for row in group], 0, model.dtype)
+        ends = to_device([lengths[row] - 1 for row in group], ids.device)
+        last = to_device(sorted({lengths[row] - 1 for row in group}), ids.device)  # only these logits are computed
         group_cache = new_cache(model)
         out = model(
             input_ids=ids,
@@ -217,7 +235,7 @@ def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
                 layer.values.new_zeros(count, layer.values.shape[1], width, layer.values.shape[3])
                 for layer in group_cache.layers
             ]
-        index = torch.tensor(group, device=ids.device)
+        index = to_device(group, ids.device)
         for layer, (k, v) in enumerate(zip(keys, values)):
             k[index, :, : ids.shape[1]] = group_cache.layers[layer].keys
             v[index, :, : ids.shape[1]] = group_cache.layers[layer].values
@@ -250,16 +268,21 @@ class DeferredCheck:
 
 def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
     """Each row's tree for this step, checked and cut to what the row may still commit (the target adds its own
-    token after the deepest accepted draft), and the checks still to read back: a chain's are read with the step's
-    outcome (one host read a step), a branching tree's before its pass (a repeated sibling is dropped first)."""
+    token after the deepest accepted draft), and the checks still to read back: a tree built on the host
+    (Tree.from_lists) is checked there, a chain's checks are read with the step's outcome (one host read a step), a
+    branching tree's before its pass (a repeated sibling is dropped first)."""
     rows = _active(state)
     depths = [state.budget(row) - 1 for row in rows]
-    proposed = _timed(state, state.drafter.propose_rows, [row.text[: row.length] for row in rows], depths)
+    texts, host_texts = [row.text[: row.length] for row in rows], [row.host_text[: row.length] for row in rows]
+    proposed = _timed(state, state.drafter.propose_rows, texts, depths, host_texts)
     name, vocab = drafter_name(state.drafter), state.model.config.vocab_size
     trees, checks = [], []
     for tree, row, depth in zip(proposed, rows, depths):
         root = row.text[row.length - 1]
-        if is_chain(tree):
+        if isinstance(tree, Tree) and tree.host is not None:
+            host_root = int(row.host_text[row.length - 1])
+            trees.append(verifiable_host_tree(tree, host_root, root.device, vocab, depth, name))
+        elif is_chain(tree):
             checked, problems = verifiable_chain(tree, root, vocab, depth, name)
             checks.append(DeferredCheck(problems, tree, root, name))
             trees.append(checked)
@@ -318,7 +341,7 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
     """Each row's accepted path and new tokens: committed, their cache entries moved into place, and their hidden
     states kept for the drafter. Returns the slots of the rows that go on.
 
-    The step's one host read: every row's accepted depth and first EOS (and the deferred checks of proposed chains),
+    The step's one host read: every row's accepted depth and new tokens (and the deferred checks of proposed chains),
     read back together; on a GPU each read waits for the device."""
     rows = _active(state)
     greedy = greedy_tokens(out.logits) if state.sampling.greedy else None  # [B, N]: one argmax for all rows
@@ -329,29 +352,33 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
         else:
             order, deepest, new = accept(tree, out.logits[slot, : tree.size], state.sampling, row.generator)
         outcomes.append((order, new))
-        reads += [tree.depth[deepest], first_stop(new, state.eos), deepest]
-    values = torch.cat([torch.stack(reads)] + [check.problems.long() for check in checks]).tolist()
-    for index, check in enumerate(checks):
-        at = 3 * len(rows) + 5 * index
+        # its accepted depth and deepest node, and the new tokens (the accepted path's, then the target's own)
+        reads += [torch.stack([tree.depth[deepest], deepest]), new[: tree.max_depth + 1]]
+    values = torch.cat(reads + [check.problems.long() for check in checks]).tolist()
+    at, depths, deepest, news = 0, [], [], []
+    for tree in trees:
+        depths.append(values[at])
+        deepest.append(values[at + 1])
+        news.append(values[at + 2 : at + tree.max_depth + 3])
+        at += tree.max_depth + 3
+    for check in checks:
         raise_tree_problems(
             values[at : at + 5], check.proposed, check.root, state.model.config.vocab_size, check.drafter
         )
+        at += 5
     paths, going = [], []
-    for slot, (row, tree, (order, new)) in enumerate(zip(rows, trees, outcomes)):
-        depth, stop = values[3 * slot], values[3 * slot + 1]
+    for slot, (row, tree, (order, new), depth, host_new) in enumerate(zip(rows, trees, outcomes, depths, news)):
         path = order[: depth + 1]
         paths.append(path)
         row.stats.plain_steps += not drafting
         row.stats.count_depths(tree.max_depth, depth)
-        ends_at_eos = stop <= depth
-        if not commit(state, row, new[: (stop if ends_at_eos else depth) + 1], ends_at_eos):
+        if not commit(state, row, new, host_new[: depth + 1]):
             going.append(slot)
             state.to_observe[0].append(
                 {layer: out.hidden_states[layer][slot, path] for layer in state.drafter.hidden_layers}
             )
             state.to_observe[1].append(new[: depth + 1])
     cache_length = state.cache.get_seq_length() - max(tree.size for tree in trees)  # before this step's trees
-    deepest = values[2 : 3 * len(rows) : 3]
     cached = keep_paths(state.cache, [row.cached for row in rows], cache_length, paths, deepest)
     for row, length in zip(rows, cached):
         row.cached = length
@@ -364,7 +391,7 @@ def retire(state: Decoding, going: list[int]) -> None:
         return
     state.active = [state.active[slot] for slot in going]
     if going:
-        keep_rows(state.cache, torch.tensor(going, device=state.cache.layers[0].keys.device))
+        keep_rows(state.cache, to_device(going, state.cache.layers[0].keys.device))
         state.cache.crop(max(row.cached for row in _active(state)) - state.cache.get_seq_length())
         _timed(state, state.drafter.keep_rows, going)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from .transfer import to_device
 
 
 class TreeError(ValueError):
@@ -60,6 +62,8 @@ class Tree:
     depth: torch.Tensor  # [N] long, root 0
     ancestors: torch.Tensor  # [N, N] bool, includes self
     max_depth: int | None  # None: not read back yet (verifiable_tree reads it with the tree's checks)
+    # (tokens, parents) on the host, set by from_lists only: such a tree is checked there (verifiable_host_tree)
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, *, check: bool = True) -> Tree:
@@ -71,9 +75,18 @@ class Tree:
         return cls(tokens, parents, depth, ancestors, max_depth)
 
     @classmethod
-    def from_lists(cls, tokens: list[int], parents: list[int], device: torch.device | str = "cpu") -> Tree:
-        """A tree whose tokens and parents (well-formed) are on the host already: its depths and ancestors are worked
-        out there too, so nothing is read back from the device."""
+    def from_lists(cls, tokens: Sequence[int], parents: Sequence[int], device: torch.device | str = "cpu") -> Tree:
+        """A tree whose tokens and parents are on the host already: its depths and ancestors are worked out there
+        too and copied to `device` (to_device), so nothing is read back from the device. It keeps the two lists
+        (`host`)."""
+        tokens, parents = tuple(int(t) for t in tokens), tuple(int(p) for p in parents)
+        if not parents or len(tokens) != len(parents):
+            raise TreeError(f"a tree needs as many tokens as parents, at least one: {len(tokens)} and {len(parents)}")
+        if parents[0] != -1 or any(not 0 <= parent < node for node, parent in enumerate(parents[1:], start=1)):
+            raise TreeError(
+                f"parents {list(parents[:32])} are not a tree: node 0 must be the root (parent -1) and every other "
+                "node's parent must come before it"
+            )
         depth, ancestors = [0], [[0]]
         for node, parent in enumerate(parents[1:], start=1):
             depth.append(depth[parent] + 1)
@@ -81,8 +94,10 @@ class Tree:
         matrix = torch.zeros(len(parents), len(parents), dtype=torch.bool)
         for node, row in enumerate(ancestors):
             matrix[node, row] = True
-        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        return cls(as_tensor(tokens), as_tensor(parents), as_tensor(depth), matrix.to(device), max(depth))
+        uploaded = functools.partial(to_device, device=device)
+        tree = cls(uploaded(tokens), uploaded(parents), uploaded(depth), uploaded(matrix, dtype=torch.bool), max(depth))
+        object.__setattr__(tree, "host", (tokens, parents))  # frozen: set once, here
+        return tree
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> Tree:
@@ -131,6 +146,31 @@ def verifiable_tree(
         tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
         tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
     return tree.truncate(max_depth)
+
+
+def verifiable_host_tree(
+    tree: Tree, root: int, device: torch.device, vocab_size: int, max_depth: int, drafter: str = "the drafter"
+) -> Tree:
+    """verifiable_tree for a tree built by Tree.from_lists, which checked its parents and worked out its depths and
+    ancestors itself: its root, token ids and device are checked, and its repeated siblings and nodes deeper than
+    `max_depth` cut, on its host lists, with no read of the device."""
+    tokens, parents = tree.host
+    if tree.tokens.device != device:
+        raise TreeError(f"{drafter} proposed a tree on {tree.tokens.device}, but the target runs on {device}")
+    wrong_root = tokens[0] != root
+    bad_tokens = any(not 0 <= token < vocab_size for token in tokens)
+    if wrong_root or bad_tokens:
+        raise_tree_problems([wrong_root, False, bad_tokens, False, False], tree, root, vocab_size, drafter)
+    depth, index, seen, kept = [0], {0: 0}, set(), [0]  # index: a kept node's place in the cut tree
+    for node, (token, parent) in enumerate(zip(tokens[1:], parents[1:]), start=1):
+        depth.append(depth[parent] + 1)
+        if parent in index and depth[node] <= max_depth and (parent, token) not in seen:
+            seen.add((parent, token))
+            index[node] = len(kept)
+            kept.append(node)
+    if len(kept) == len(tokens):
+        return tree
+    return Tree.from_lists([tokens[n] for n in kept], [index.get(parents[n], -1) for n in kept], device)
 
 
 def verifiable_chain(
@@ -408,15 +448,23 @@ def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float)
 def merge_trees(first: Tree, second: Tree) -> Tree:
     """One tree holding every root-to-node path of both (shared prefixes once). Roots must agree.
 
-    A loop over the second tree's nodes (a copied span: ~10), on Python ints read back in one transfer; far below a
-    forward pass.
+    A loop over the second tree's nodes (a copied span: ~10), on Python ints: the trees' host lists where both have
+    them (Tree.from_lists), else both trees read back in one transfer; far below a forward pass. Nothing is read
+    where the second tree is its root alone, or the first is (its root is then taken to be the second's: the loop
+    checks the merged tree's root against the text).
     """
-    both = torch.cat([first.tokens, first.parents, second.tokens, second.parents]).tolist()
-    tokens, parents = both[: first.size], both[first.size : 2 * first.size]
-    second_tokens, second_parents = (
-        both[2 * first.size : 2 * first.size + second.size],
-        both[2 * first.size + second.size :],
-    )
+    if second.size == 1:
+        return first
+    if second.host is not None and (first.host is not None or first.size == 1):
+        second_tokens, second_parents = second.host
+        tokens, parents = (list(first.host[0]), list(first.host[1])) if first.host else ([second_tokens[0]], [-1])
+    else:
+        both = torch.cat([first.tokens, first.parents, second.tokens, second.parents]).tolist()
+        tokens, parents = both[: first.size], both[first.size : 2 * first.size]
+        second_tokens, second_parents = (
+            both[2 * first.size : 2 * first.size + second.size],
+            both[2 * first.size + second.size :],
+        )
     if tokens[0] != second_tokens[0]:
         raise TreeError("cannot merge trees with different roots")
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import TreeError, selection_key
+from .tree import Tree, TreeError, selection_key
 
 
 def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:
@@ -103,22 +103,34 @@ def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: 
 
 
 def best_nodes(
-    scores: torch.Tensor, depth: torch.Tensor, shift: torch.Tensor, cost: PassCost, draft_cost: float, limit: int
-) -> tuple[torch.Tensor, int]:
+    scores: torch.Tensor,
+    depth: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    shift: torch.Tensor,
+    cost: PassCost,
+    draft_cost: float,
+    limit: int,
+) -> tuple[torch.Tensor, Tree]:
     """One tree's nodes that pay for themselves, in ONE host read: (the root and the best_node_count likeliest
-    drafts, ascending, as select_best_nodes keeps them; how deep they reach).
+    drafts, ascending, as select_best_nodes keeps them; the tree they make, built from its host lists
+    (Tree.from_lists), so that nothing about it is read again).
 
-    scores [N]: the root's and the drafts' path log-probabilities; depth [N]; `shift`: added to the drafts' scores
-    for their believed probabilities (the log of the drafter's reliability)."""
+    scores [N]: the root's and the drafts' path log-probabilities; depth, tokens, parents [N]; `shift`: added to the
+    drafts' scores for their believed probabilities (the log of the drafter's reliability)."""
     order = selection_key(scores, depth).argsort(descending=True)[: limit + 1]  # the root first
     believed = (scores[order[1:]] + shift).float().exp()
-    reach = depth[order].cummax(dim=0).values  # how deep the first n + 1 nodes reach
-    read = torch.cat([believed, reach.float()]).tolist()
-    drafts = believed.shape[0]
+    candidates = torch.stack([order, tokens[order], parents[order]]).double().flatten()
+    read = torch.cat([believed.double(), candidates]).tolist()
+    drafts, nodes = believed.shape[0], order.shape[0]
     expected = itertools.accumulate(read[:drafts], initial=1.0)  # token_rates' arithmetic, on Python floats
-    rates = [tokens / (cost.draft_step + draft_cost + cost(n + 1)) for n, tokens in enumerate(expected)]
+    rates = [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
     count = rates.index(max(rates))  # the first best, as argmax
-    return order[: count + 1].sort().values, int(read[drafts + count])
+    node, token, parent = (read[drafts + nodes * i : drafts + nodes * i + count + 1] for i in range(3))
+    kept = sorted(range(count + 1), key=node.__getitem__)  # in node order, as subtree keeps them
+    index = {node[i]: place for place, i in enumerate(kept)}
+    tree = Tree.from_lists([token[i] for i in kept], [index.get(parent[i], -1) for i in kept], tokens.device)
+    return order[: count + 1].sort().values, tree
 
 
 def best_shared_tree(

@@ -745,13 +745,26 @@ class SyncRecorder:
 # the calls by which Python reads a tensor's values: on a GPU each waits for the device (a host synchronisation)
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__", "numpy", "cpu", "nonzero", "unique"}
 HOST_READS |= {"unique_consecutive", "masked_select"}
+# the calls that make host values a device tensor: on a GPU, without non_blocking, the host first waits for the device
+UPLOADS = {"tensor", "as_tensor", "asarray", "to"}
 TORCH_DIR = Path(torch.__file__).resolve().parent
+
+
+def is_upload(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call copies host values to a device synchronously (inference.transfer.to_device does not): a tensor
+    made from values with a device named, or `.to(device)` without non_blocking."""
+    if name not in UPLOADS or kwargs.get("non_blocking"):
+        return False
+    if name != "to":
+        return kwargs.get("device") is not None
+    return kwargs.get("device") is not None or any(isinstance(arg, (torch.device, str)) for arg in args[1:])
 
 
 class HostReadRecorder(torch.overrides.TorchFunctionMode):
     """Counts, on any device, the calls that read a tensor's values back to Python (tolist, item, bool(), nonzero, a
-    boolean mask as an index...) into a SyncRecorder: each one synchronises a GPU, so on the CPU they stand in for
-    the synchronisations torch.cuda.set_sync_debug_mode counts there."""
+    boolean mask as an index...) and, from this repository's code, those that copy host values to a device
+    synchronously (is_upload), into a SyncRecorder: each one synchronises a GPU, so on the CPU they stand in for the
+    synchronisations torch.cuda.set_sync_debug_mode counts there."""
 
     def __init__(self, recorder: SyncRecorder):
         super().__init__()
@@ -763,20 +776,27 @@ class HostReadRecorder(torch.overrides.TorchFunctionMode):
             isinstance(index, torch.Tensor) and index.dtype == torch.bool
             for index in (args[1] if isinstance(args[1], tuple) else (args[1],))
         )
-        if name in HOST_READS or masked:
+        upload = is_upload(name, args, kwargs or {})
+        if name in HOST_READS or masked or upload:
             stack = traceback.extract_stack()[:-1]
             caller = next(
                 (frame for frame in reversed(stack) if not Path(frame.filename).resolve().is_relative_to(TORCH_DIR)),
                 stack[-1],
             )
-            self.recorder.add(caller.filename, caller.lineno, stack)
+            # ours only: on the CPU a library's .to(device) of a device tensor looks like an upload (a GPU sees all)
+            if not upload or is_ours(caller.filename):
+                self.recorder.add(caller.filename, caller.lineno, stack)
         return func(*args, **(kwargs or {}))
 
 
 @functools.cache
 def is_ours(filename: str) -> bool:
-    """A file of this repository (not "<frozen ...>" or "<string>", which would resolve into the working folder)."""
-    return not filename.startswith("<") and Path(filename).resolve().is_relative_to(REPO)
+    """A file of this repository (not "<frozen ...>" or "<string>", which would resolve into the working folder, nor
+    a package installed in a virtual environment inside it)."""
+    if filename.startswith("<"):
+        return False
+    path = Path(filename).resolve()
+    return path.is_relative_to(REPO) and "site-packages" not in path.parts
 
 
 def shown_path(filename: str) -> str:

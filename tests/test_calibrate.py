@@ -78,8 +78,8 @@ def test_loop_steps_are_timed_at_the_depth_asked(monkeypatch):
     def recording_drafter(*args, **kwargs):
         drafter = as_drafter(*args, **kwargs)
         propose_rows = drafter.propose_rows
-        drafter.propose_rows = lambda texts, max_depths: (
-            asked[-1].append(min(max_depths)) or propose_rows(texts, max_depths)
+        drafter.propose_rows = lambda texts, max_depths, host_texts=None: (
+            asked[-1].append(min(max_depths)) or propose_rows(texts, max_depths, host_texts)
         )
         asked.append([])
         return drafter

@@ -44,7 +44,7 @@ class CheckedEagleDrafter(EagleDrafter):
         self.seen.append(features.reshape(-1, features.shape[-1]).clone())
         return super()._log_probs(features)
 
-    def propose_rows(self, texts, max_depths):  # what the loop calls: one row here
+    def propose_rows(self, texts, max_depths, host_texts=None):  # what the loop calls: one row here
         (tokens,) = texts
         self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
         torch.testing.assert_close(
@@ -54,7 +54,7 @@ class CheckedEagleDrafter(EagleDrafter):
             rtol=1e-4,
         )
         self.seen = []
-        (tree,) = super().propose_rows(texts, max_depths)
+        (tree,) = super().propose_rows(texts, max_depths, host_texts)
         if tree.size == 1:  # nothing drafted at the last step
             return [tree]
         seen = torch.cat(self.seen)
@@ -173,7 +173,7 @@ def test_a_trusted_lookup_span_keeps_the_head_at_depth_one():
         with torch.no_grad():
             tree = merged.propose(tokens, max_depth=8)
         span, matched = lookup.span(tokens, 8)
-        assert span.shape[0] > 0 and lookup.trusts(matched) == head_limited
+        assert span and lookup.trusts(matched) == head_limited
         chain = torch.tensor([7, 8, 9, 5, 6, 7])
         on_chain = torch.zeros(tree.size, dtype=torch.bool)
         for node in range(tree.size):  # a node is on the copied span when its path spells the span's prefix

@@ -62,9 +62,9 @@ class CheckedEarlyExitDrafter(EarlyExitDrafter):
     a fresh pass over the whole text (but the start of a long prompt it skipped: prompt_window), and the draft entries
     of the last proposal are gone."""
 
-    def propose_rows(self, texts, max_depths):  # what the loop calls: one row here
+    def propose_rows(self, texts, max_depths, host_texts=None):  # what the loop calls: one row here
         (tokens,) = texts
-        trees = super().propose_rows(texts, max_depths)
+        trees = super().propose_rows(texts, max_depths, host_texts)
         skipped = self.rows[0].skipped
         assert self.cache.get_seq_length() == self.lengths[0] == tokens.shape[0] - skipped
         with torch.no_grad():

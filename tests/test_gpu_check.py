@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gpu_check  # noqa: E402
 from conftest import hf_greedy, tiny_model  # noqa: E402
 from inference import generate  # noqa: E402
+from inference.transfer import to_device  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,12 @@ def test_host_read_recorder_counts_reads_of_tensor_values_by_source_line():
         recorder_lines.append(sys._getframe().f_lineno - 1)
         z = (x * 2 + y.sum()).clamp(max=9)  # arithmetic on the device: no read
         int(z[0])
+        torch.tensor([1, 2], device=x.device)  # host values copied to the device synchronously: counted
+        x.to(x.device)  # the same, for a tensor (on a GPU: a host tensor's upload)
+        to_device([1, 2], x.device)  # pinned and non-blocking on a GPU: not counted
+        x.to(x.device, non_blocking=True)
     here = "tests/test_gpu_check.py"
-    assert recorder.count == 4
+    assert recorder.count == 6
     assert recorder.sources[(f"{here}:{recorder_lines[0]}", "")] == 1
     assert recorder.sources[(f"{here}:{recorder_lines[1]}", "")] == 1
 
@@ -116,6 +121,34 @@ def test_a_fixed_eagle_tree_reads_the_host_twice_a_decode_step():
     (short_passes, short_reads), (long_passes, long_reads) = runs
     assert long_passes - short_passes >= 4
     assert long_reads - short_reads == 2 * (long_passes - short_passes), runs
+
+
+def test_the_default_calls_drafting_reads_the_host_at_most_twice_a_decode_step():
+    """What the default call drafts with: prompt lookup merged into the EAGLE head's tree, priced by a measured cost.
+    Lookup searches the loop's host copy of the text, the priced tree is read back once (best_nodes) and built on the
+    host, the copied span is merged into it there and the merged tree is checked there: with the step's outcome, at
+    most two reads a step."""
+    from heads import EagleConfig, EagleHead
+    from inference import DynamicTreeSpec
+    from inference.tree_size import PassCost
+
+    model = tiny_model(eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config, copy_input=True, draft_vocab_size=32)).eval()
+    phrase = torch.randint(1, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.cat([phrase, phrase, phrase[:3]])  # lookup finds what followed these tokens
+    reference = hf_greedy(model, prompt, 24)
+    cost = PassCost(tokens=(1, 16), relative=(1.0, 1.05), draft_level=0.02)  # drafting pays: most steps draft
+    tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8, cost=cost)
+    runs = []
+    for new_tokens in (12, 24):
+        with gpu_check.recording_host_reads() as reads:
+            out = generate(model, head, prompt, max_new_tokens=new_tokens, tree=tree, fallback=False)
+        assert out.token_ids == reference[:new_tokens]
+        runs.append((out.stats.target_forwards, reads.count, reads.sources))
+    (short_passes, short_reads, _), (long_passes, long_reads, sources) = runs
+    assert long_passes - short_passes >= 4
+    assert long_passes - short_passes <= long_reads - short_reads <= 2 * (long_passes - short_passes), sources
 
 
 def test_replay_drafter_makes_every_step_accept_the_drawn_length():

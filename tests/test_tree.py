@@ -19,6 +19,9 @@ from inference.tree import (
     retrieve_indices,
     select_best_nodes,
     static_tree,
+    subtree,
+    verifiable_host_tree,
+    verifiable_tree,
 )
 from inference.tree_size import (
     DynamicTreeSpec,
@@ -244,7 +247,7 @@ def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one
     for trial in range(60):
         count = int(torch.randint(2, 30, (1,), generator=generator))
         parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, count)]
-        tree = Tree.from_lists(list(range(count)), parents)
+        tree = Tree.from_lists(torch.randint(0, 50, (count,), generator=generator).tolist(), parents)
         steps = torch.rand(count, generator=generator).log()
         scores = torch.zeros(count)
         for node in range(1, count):  # a child is never likelier than its parent
@@ -252,10 +255,13 @@ def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one
         if trial % 3 == 0:
             scores[count // 2 :] = float("-inf")  # impossible drafts (their children are too)
         shift, cost, limit = torch.tensor(0.3 * (trial % 4) - 0.4), costs[trial % 3], 1 + trial % 12
-        keep, reach = best_nodes(scores, tree.depth, shift, cost, 0.05, limit)
+        keep, kept_tree = best_nodes(scores, tree.depth, tree.tokens, tree.parents, shift, cost, 0.05, limit)
         kept = best_node_count(scores[1:] + shift, cost, 0.05, limit)
         assert keep.tolist() == select_best_nodes(scores, tree.depth, kept).tolist()
-        assert reach == int(tree.depth[keep].max())
+        expected = subtree(tree.tokens, tree.parents, tree.depth, tree.ancestors, keep)
+        for name in ("tokens", "parents", "depth", "ancestors", "max_depth"):
+            assert torch.equal(torch.as_tensor(getattr(kept_tree, name)), torch.as_tensor(getattr(expected, name)))
+        assert kept_tree.host == (tuple(expected.tokens.tolist()), tuple(expected.parents.tolist()))
 
 
 def test_what_every_step_pays_weighs_for_larger_trees():
@@ -354,3 +360,49 @@ def test_a_copied_span_counts_the_tokens_tried_until_one_is_wrong():
     assert span_outcome([4, 5, 6], [7]) == (0, 1)
     assert span_outcome([4, 5, 6], [4, 5]) == (2, 2)  # the third is not known yet
     assert span_outcome([4, 5], [4, 5, 6]) == (2, 2)
+
+
+def _same_tree(a: Tree, b: Tree) -> bool:
+    return all(
+        torch.equal(torch.as_tensor(getattr(a, name)), torch.as_tensor(getattr(b, name)))
+        for name in ("tokens", "parents", "depth", "ancestors", "max_depth")
+    )
+
+
+def test_a_tree_built_on_the_host_is_checked_there_as_verifiable_tree_checks_it_on_the_device():
+    """Random trees with repeated siblings, cut at every depth: the host's checks keep what the device's keep."""
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(80):
+        count = int(torch.randint(1, 25, (1,), generator=generator))
+        parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, count)]
+        tokens = torch.randint(0, 4, (count,), generator=generator).tolist()  # few tokens: siblings repeat them
+        tree = Tree.from_lists(tokens, parents)
+        for max_depth in range(0, tree.max_depth + 2):
+            on_host = verifiable_host_tree(tree, tokens[0], torch.device("cpu"), 4, max_depth)
+            assert _same_tree(on_host, verifiable_tree(tree, torch.tensor(tokens[0]), 4, max_depth))
+            assert on_host.host == (tuple(on_host.tokens.tolist()), tuple(on_host.parents.tolist()))
+
+
+def test_a_tree_built_on_the_host_with_a_wrong_root_or_token_or_parent_is_refused():
+    tree = Tree.from_lists([5, 6, 7], [-1, 0, 0])
+    with pytest.raises(TreeError, match="rooted at token 5, but the last committed token is 4"):
+        verifiable_host_tree(tree, 4, torch.device("cpu"), 10, 8, "the drafter")
+    with pytest.raises(TreeError, match=r"outside the vocabulary \[0, 7\)"):
+        verifiable_host_tree(tree, 5, torch.device("cpu"), 7, 8, "the drafter")
+    with pytest.raises(TreeError, match="not a tree"):
+        Tree.from_lists([5, 6, 7], [-1, 2, 0])
+    with pytest.raises(TreeError, match="as many tokens as parents"):
+        Tree.from_lists([5, 6], [-1, 0, 0])
+
+
+def test_merging_trees_built_on_the_host_reads_nothing_and_makes_the_same_tree():
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(40):
+        trees = []
+        for _ in range(2):
+            count = int(torch.randint(1, 12, (1,), generator=generator))
+            parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, count)]
+            tokens = [9] + torch.randint(0, 4, (count - 1,), generator=generator).tolist()
+            trees.append(Tree.from_lists(tokens, parents))
+        on_device = [Tree(t.tokens, t.parents, t.depth, t.ancestors, t.max_depth) for t in trees]  # no host lists
+        assert _same_tree(merge_trees(*trees), merge_trees(*on_device))

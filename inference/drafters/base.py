@@ -7,7 +7,11 @@ The loop (inference.loop) decodes rows (one per prompt; a single prompt is one r
                                         their [k, H] hidden states for each layer in `hidden_layers`,
                                         next_tokens[b] the committed tokens that follow each of them (the last
                                         one is the row's new root);
-- `propose_rows(texts, max_depths)`     a Tree for each row, rooted at texts[b][-1], no deeper than max_depths[b];
+- `propose_rows(texts, max_depths, host_texts)`
+                                        a Tree for each row, rooted at texts[b][-1], no deeper than max_depths[b];
+                                        host_texts[b] holds texts[b] on the host (a NumPy array), for drafters that
+                                        work on the tokens in Python: on a GPU they then need not wait for it
+                                        (None outside the loop);
 - `keep_rows(rows)`                     only these rows go on (the others finished), in this order.
 
 A drafter of one sequence at a time subclasses `SequenceDrafter` and writes `propose` (and `observe` and `reset`
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from heads import EarlyExitHead, HeadConfigError
@@ -44,7 +49,9 @@ class Drafter(ABC):
     def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None: ...
 
     @abstractmethod
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]: ...
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
+    ) -> list[Tree]: ...
 
     # one sequence, outside the loop (tests, scripts)
     def observe(self, hidden: dict[int, torch.Tensor], next_tokens: torch.Tensor) -> None:
@@ -80,7 +87,9 @@ class SequenceDrafter(Drafter):
         for row_hidden, tokens in zip(hidden, next_tokens):
             self.observe(row_hidden, tokens)
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
+    ) -> list[Tree]:
         return [self.propose(text, depth) for text, depth in zip(texts, max_depths)]
 
 

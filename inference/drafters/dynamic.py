@@ -3,8 +3,9 @@ Medusa heads): the trees grow level by level, one head pass a level for every ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from heads import DraftVocabulary
@@ -12,6 +13,7 @@ from heads import DraftVocabulary
 from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
 from ..padding import prefill_groups, right_padded_mask
+from ..transfer import to_device
 from ..tree import Tree, TreeError, additive_mask, graft_span, matched_depth, select_best_nodes, subtree
 from ..tree_size import DynamicTreeSpec, best_nodes, best_shared_tree, next_depth, token_rates
 from .base import Drafter, root_only
@@ -121,7 +123,7 @@ class DynamicTreeDrafter(Drafter):
 
     def keep_rows(self, rows: list[int]) -> None:
         if self.cache.get_seq_length():
-            keep_rows(self.cache, torch.tensor(rows, dtype=torch.long, device=self.last.device))
+            keep_rows(self.cache, to_device(rows, self.last.device))
         self.last = None if self.last is None else self.last[rows]
         self.context.keep_rows(rows)
         self.rows = [self.rows[row] for row in rows]
@@ -178,7 +180,7 @@ class DynamicTreeDrafter(Drafter):
         start, device = self.cache.get_seq_length(), self.vocab.weight.device
         index = torch.arange(width, device=device)
         if all(n == start for n in self.lengths) and all(c == width for c in counts):
-            lengths = torch.tensor(self.lengths, device=device)
+            lengths = to_device(self.lengths, device)
             out = run(
                 slice(None), (lengths[:, None] + index).contiguous(), None, self.cache
             )  # a single sequence always lands here
@@ -191,8 +193,8 @@ class DynamicTreeDrafter(Drafter):
         width = max(counts)
         if width == 0:
             return
-        start, lengths, index = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device), index[:width]
-        real = index < torch.tensor(counts, device=device)[:, None]  # [rows, W]
+        start, lengths, index = self.cache.get_seq_length(), to_device(self.lengths, device), index[:width]
+        real = index < to_device(counts, device)[:, None]  # [rows, W]
         committed = torch.arange(start, device=device) < lengths[:, None]  # [rows, start]
         causal = index[:, None] >= index[None, :]
         allowed = torch.cat(
@@ -203,20 +205,20 @@ class DynamicTreeDrafter(Drafter):
             slice(None), lengths[:, None] + index, additive_mask(allowed, self.vocab.weight.dtype)[:, None], self.cache
         )
         self.lengths = keep_paths(self.cache, self.lengths, start, [index[:count] for count in counts])
-        newest = out[torch.arange(len(counts), device=device), torch.tensor(counts, device=device).clamp(min=1) - 1]
-        moved = torch.tensor([count > 0 for count in counts], device=device)[:, None]
+        newest = out[torch.arange(len(counts), device=device), to_device(counts, device).clamp(min=1) - 1]
+        moved = to_device([count > 0 for count in counts], device, torch.bool)[:, None]
         self.last = torch.where(moved, newest, self.last)
 
     def _read_prompts(self, rows: list[int], counts: list[int], run) -> None:
         """Rows with nothing cached read their first counts[row] entries in one pass of their own (a cache of their
         own, no past to attend to), which then fill the first entries of their rows of the draft cache."""
         device = self.vocab.weight.device
-        lengths = torch.tensor([counts[row] for row in rows], device=device)
+        lengths = to_device([counts[row] for row in rows], device)
         width = int(lengths.max())
         own = position_cache()
         positions = torch.arange(width, device=device).expand(len(rows), -1)
         out = run(
-            torch.tensor(rows, device=device),
+            to_device(rows, device),
             positions,
             right_padded_mask(lengths, width, self.vocab.weight.dtype),
             own,
@@ -237,7 +239,9 @@ class DynamicTreeDrafter(Drafter):
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return self.context.log_probs(self.vocab.logits(outputs))
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
+    ) -> list[Tree]:
         """texts[b] is row b's committed text, its last token the root."""
         grown = self._grow(texts, max_depths)
         if grown is None:
@@ -281,7 +285,7 @@ class DynamicTreeDrafter(Drafter):
             torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
         )
         states, fed = self.last[:, None].expand(-1, k, -1), []
-        start, lengths = self.cache.get_seq_length(), torch.tensor(self.lengths, device=device)
+        start, lengths = self.cache.get_seq_length(), to_device(self.lengths, device)
         # each row's own committed entries
         committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)
         for level in range(1, deepest):
@@ -327,21 +331,18 @@ class DynamicTreeDrafter(Drafter):
             return root_only(nodes.tokens[row, :1])
         count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
-        reach = None  # how deep the kept nodes go, where known on the host
-        if width is not None:
-            keep = select_best_nodes(scores, depth, width)
-        elif self.spec.cost is None:
-            keep = select_best_nodes(scores, depth, self.spec.nodes)
-        else:  # keep what pays for itself
+        tokens, parents = nodes.tokens[row, :count], nodes.parents[row, :count]
+        if self.spec.cost is not None and width is None:  # keep what pays for itself: a tree built on the host
             cost, shift = self.spec.cost, self._log_reliability(row)
-            keep, reach = best_nodes(scores, depth, shift, cost, depth_limit * cost.draft_level, self.spec.nodes)
-        tree = subtree(nodes.tokens[row], nodes.parents[row], nodes.depth, nodes.ancestors[row], keep, read_depth=False)
-        if reach is not None:
-            tree = replace(tree, max_depth=reach)
+            draft_cost = depth_limit * cost.draft_level
+            keep, tree = best_nodes(scores, depth, tokens, parents, shift, cost, draft_cost, self.spec.nodes)
+        else:
+            keep = select_best_nodes(scores, depth, self.spec.nodes if width is None else width)
+            tree = subtree(tokens, parents, depth, nodes.ancestors[row], keep, read_depth=False)
         state = self.rows[row]
         state.guess = (tree, None, scores[keep[1:]].exp().sum())
-        if reach is not None and max_depth >= state.level:  # not when the caller capped it
-            state.level = next_depth(reach, depth_limit, self.spec.depth)
+        if tree.host is not None and max_depth >= state.level:  # not when the caller capped it
+            state.level = next_depth(tree.max_depth, depth_limit, self.spec.depth)
         return tree
 
     def _select_grafted(

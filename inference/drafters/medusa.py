@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from heads import DraftVocabulary, MedusaHeads
@@ -79,7 +80,9 @@ class MedusaDrafter(Drafter):
     def add_rows(self, count: int) -> None:
         self.context.add_rows(count)  # their hidden states come with the next observe_rows, as every row's do
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
+    ) -> list[Tree]:
         """One pass of the heads and one projection for every row, then each row's tree."""
         if self.spec is not None:
             depth, ranks = min(self.spec.depth, self.heads.config.num_heads, max(max_depths)), self.spec.top_k

@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ..transfer import to_device
 from ..tree import Tree, merge_trees, verifiable_tree
 from .base import Drafter, SequenceDrafter, TokenDrafter, drafter_name
 from .dynamic import RELIABILITY_DECAY, DynamicTreeDrafter
-from .lookup import PromptLookupDrafter
+from .lookup import PromptLookupDrafter, span_tree
 
 SPAN_PRIOR = (1.0, 2.0)  # (tokens held, tokens tried): a row's first copied tokens are believed right half the time
 
@@ -73,22 +75,26 @@ class MergedDrafter(Drafter):
         self.span_rates += [{} for _ in range(count)]
         self.pending += [[] for _ in range(count)]
 
-    def propose_rows(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    def propose_rows(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
+    ) -> list[Tree]:
+        if host_texts is None:  # outside the loop: read the texts back
+            host_texts = [text.cpu().numpy() for text in texts]
         if self.grafts and len(texts) > 1:
-            return self._propose_grafted(texts, max_depths)
+            return self._propose_grafted(texts, max_depths, host_texts)
         spans, head_depths = [], []
-        for text, max_depth in zip(texts, max_depths):  # token drafters are asked row by row: trust is per row
-            row_spans, trusted = [], False
+        for text, host, max_depth in zip(texts, host_texts, max_depths):  # token drafters are asked row by row
+            row_spans, trusted = [], False  # trust is per row
             for drafter in self.token_drafters:
                 if isinstance(drafter, PromptLookupDrafter):
-                    span, matched = drafter.span(text, max_depth)
-                    trusted |= span.shape[0] > 0 and drafter.trusts(matched)
-                    row_spans.append(Tree.chain(torch.cat([text[-1:], span])))
+                    span, matched = drafter.span(host, max_depth)
+                    trusted |= len(span) > 0 and drafter.trusts(matched)
+                    row_spans.append(span_tree(host, span, text.device))
                 else:
-                    row_spans.append(_checked(drafter, [text], [max_depth])[0])
+                    row_spans.append(_checked(drafter, [text], [max_depth], [host])[0])
             spans.append(row_spans)
             head_depths.append(min(1, max_depth) if trusted else max_depth)
-        heads = [_checked(d, texts, head_depths) for d in self.head_drafters]  # each head drafts all rows at once
+        heads = [_checked(d, texts, head_depths, host_texts) for d in self.head_drafters]  # all rows at once
         merged = []
         for row in range(len(texts)):
             trees = [head_trees[row] for head_trees in heads] + spans[row]
@@ -98,32 +104,36 @@ class MergedDrafter(Drafter):
             merged.append(tree)
         return merged
 
-    def _propose_grafted(self, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+    def _propose_grafted(
+        self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray]
+    ) -> list[Tree]:
         """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
-        spans, keys = [], []  # per row: (span, log-rate) pairs for the head, and each span's rate key
-        for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
+        spans, copied = [], []  # per row: (span, log-rate) pairs for the head; each span's rate key and tokens
+        for row, (text, host, max_depth) in enumerate(zip(texts, host_texts, max_depths)):
             spans.append([])
-            keys.append([])
+            copied.append([])
             for index, drafter in enumerate(self.token_drafters):
-                span, matched = drafter.span(text, max_depth)
-                if span.shape[0]:
-                    keys[-1].append((index, matched))
-                    held, tried = self.span_rates[row].get(keys[-1][-1], SPAN_PRIOR)
-                    spans[-1].append((span, math.log(held / tried)))
+                span, matched = drafter.span(host, max_depth)
+                if span:
+                    held, tried = self.span_rates[row].get((index, matched), SPAN_PRIOR)
+                    spans[-1].append((to_device(span, text.device), math.log(held / tried)))
+                    copied[-1].append(((index, matched), span))
         trees, held = self.head_drafters[0].propose_grafted(texts, max_depths, spans)
         # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
         # rest)
         self.pending = [
-            [(key, span.tolist(), shared) for key, (span, _), shared in zip(row_keys, row_spans, row_held, strict=True)]
-            for row_keys, row_spans, row_held in zip(keys, spans, held, strict=True)
+            [(key, span, shared) for (key, span), shared in zip(row_copied, row_held, strict=True)]
+            for row_copied, row_held in zip(copied, held, strict=True)
         ]
         return trees
 
 
-def _checked(drafter: Drafter, texts: list[torch.Tensor], max_depths: list[int]) -> list[Tree]:
+def _checked(
+    drafter: Drafter, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray]
+) -> list[Tree]:
     """The loop checks the merged tree; a tree from a drafter written outside this package is checked first, so that
     an error names that drafter."""
-    trees = drafter.propose_rows(texts, max_depths)
+    trees = drafter.propose_rows(texts, max_depths, host_texts)
     if isinstance(drafter, SequenceDrafter) and not type(drafter).__module__.startswith(__package__):
         trees = [
             verifiable_tree(tree, text[-1], None, depth, drafter_name(drafter))
