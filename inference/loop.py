@@ -33,7 +33,7 @@ from .tree import (
     raise_tree_problems,
     verifiable_chain,
     verifiable_host_tree,
-    verifiable_tree,
+    verifiable_trees,
 )
 
 
@@ -276,8 +276,8 @@ def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
     texts, host_texts = [row.text[: row.length] for row in rows], [row.host_text[: row.length] for row in rows]
     proposed = _timed(state, state.drafter.propose_rows, texts, depths, host_texts)
     name, vocab = drafter_name(state.drafter), state.model.config.vocab_size
-    trees, checks = [], []
-    for tree, row, depth in zip(proposed, rows, depths):
+    trees, checks, branching = [], [], []
+    for slot, (tree, row, depth) in enumerate(zip(proposed, rows, depths)):
         root = row.text[row.length - 1]
         if isinstance(tree, Tree) and tree.host is not None:
             host_root = int(row.host_text[row.length - 1])
@@ -287,7 +287,13 @@ def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
             checks.append(DeferredCheck(problems, tree, root, name))
             trees.append(checked)
         else:
-            trees.append(verifiable_tree(tree, root, vocab, depth, name))
+            branching.append((slot, root))
+            trees.append(tree)
+    if branching:  # every row's branching tree checked in one read
+        slots, roots = zip(*branching)
+        checked = verifiable_trees([trees[s] for s in slots], roots, vocab, [depths[s] for s in slots], name)
+        for slot, tree in zip(slots, checked):
+            trees[slot] = tree
     return trees, checks
 
 

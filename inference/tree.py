@@ -136,16 +136,29 @@ def verifiable_tree(
     two chances at one token would bias the output). All checks are vectorised and read back in ONE host
     transfer.
     """
-    problems, duplicate = tree_problems(tree, root, vocab_size, drafter)
-    values = torch.cat([problems.long(), tree.depth.max()[None]]).tolist()
-    flags = values[:5]
-    raise_tree_problems(flags, tree, root, vocab_size, drafter)
-    if tree.max_depth is None:
-        tree = replace(tree, max_depth=values[5])
-    if flags[-1]:  # a repeated token
-        tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
-        tree = subtree(tokens, parents, depth, ancestors, (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1))
-    return tree.truncate(max_depth)
+    return verifiable_trees([tree], [root], vocab_size, [max_depth], drafter)[0]
+
+
+def verifiable_trees(
+    trees: list, roots: list[torch.Tensor], vocab_size: int | None, max_depths: list[int], drafter: str = "the drafter"
+) -> list[Tree]:
+    """verifiable_tree for several trees (a batch's rows), their checks read back in ONE host transfer."""
+    checked = [tree_problems(tree, root, vocab_size, drafter) for tree, root in zip(trees, roots)]
+    values = torch.cat(
+        [torch.cat([problems.long(), tree.depth.max()[None]]) for (problems, _), tree in zip(checked, trees)]
+    ).tolist()
+    safe = []
+    for index, (tree, root, max_depth, (_, duplicate)) in enumerate(zip(trees, roots, max_depths, checked)):
+        flags, deepest = values[6 * index : 6 * index + 5], values[6 * index + 5]
+        raise_tree_problems(flags, tree, root, vocab_size, drafter)
+        if tree.max_depth is None:
+            tree = replace(tree, max_depth=deepest)
+        if flags[-1]:  # a repeated token
+            tokens, parents, depth, ancestors = tree.tokens, tree.parents, tree.depth, tree.ancestors
+            kept = (~(ancestors & duplicate).any(dim=-1)).nonzero().squeeze(-1)
+            tree = subtree(tokens, parents, depth, ancestors, kept)
+        safe.append(tree.truncate(max_depth))
+    return safe
 
 
 def verifiable_host_tree(
@@ -406,26 +419,32 @@ def selection_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return key
 
 
-def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float):
+def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float, host: tuple | None = None):
     """A candidate pool of one row (tokens, parents, depth [N], ancestors [N, N], path log-scores [N]; node 0 the
     root) with a copied span grafted on as a path from the root. The span's first tokens that the pool already
     holds as a path keep their scores; the rest of the span is appended as a chain under the last of them, each
     token scored `log_rate` below its parent (the log-probability that a copied token the pool did not have is
-    right, when what precedes it is). Returns the five, grown, and how many span tokens the pool held.
+    right, when what precedes it is). Returns the five, grown, and how many span tokens the pool held. `span`: a
+    list of token ids (or a tensor, read back); `host`: the pool's tokens and parents as lists, where the caller
+    has them (else they are read back), extended in place with the grafted nodes.
 
     Every node's score stays at most its parent's, so select_best_nodes keeps the grown pool ancestor-closed.
     """
-    children = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist())) if p >= 0}
+    host_tokens, host_parents = host if host is not None else (tokens.tolist(), parents.tolist())
+    children = {(p, t): i for i, (p, t) in enumerate(zip(host_parents, host_tokens)) if p >= 0}
     node, held = 0, 0
-    for token in span.tolist():
+    span = span.tolist() if isinstance(span, torch.Tensor) else list(span)
+    for token in span:
         found = children.get((node, token))
         if found is None:
             break
         node, held = found, held + 1
-    rest, count = span[held:], tokens.shape[0]
-    if rest.shape[0] == 0:
+    count, added, device = tokens.shape[0], len(span) - held, tokens.device
+    if added == 0:
         return (tokens, parents, depth, ancestors, scores), held
-    added, device = rest.shape[0], tokens.device
+    rest = to_device(span[held:], device)
+    host_tokens += span[held:]
+    host_parents += [node] + list(range(count, count + added - 1))
     grown = torch.zeros(count + added, count + added, dtype=torch.bool, device=device)
     grown[:count, :count] = ancestors
     grown[count:, :count] = ancestors[node]

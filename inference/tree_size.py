@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import to_device
 from .tree import Tree, TreeError, selection_key
 
 
@@ -95,11 +96,23 @@ def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, lim
 
 
 def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> torch.Tensor:
-    """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count)."""
-    probs = scores.float().exp().reshape(-1, scores.shape[-1]).sort(dim=-1, descending=True).values[:, :limit].cpu()
-    expected = torch.cat([torch.ones(probs.shape[0], 1), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=0)
-    seconds = torch.tensor([cost.draft_step + draft_cost + cost(n + 1) for n in range(expected.shape[0])])
-    return expected / seconds
+    """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count), on the
+    scores' device."""
+    expected = expected_tokens(scores.reshape(-1, scores.shape[-1]), limit)
+    return expected / step_seconds(cost, [draft_cost], expected.shape[-1], expected.device)[0]
+
+
+def expected_tokens(scores: torch.Tensor, limit: int) -> torch.Tensor:
+    """scores [..., rows, N] -> [..., n + 1] for n = min(N, limit): the tokens a step is expected to make, summed
+    over the rows, when each row keeps its 0..n likeliest drafts (1 + their summed probability)."""
+    probs = scores.float().exp().sort(dim=-1, descending=True).values[..., :limit]
+    return torch.cat([torch.ones_like(probs[..., :1]), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=-2)
+
+
+def step_seconds(cost: PassCost, draft_costs: list[float], width: int, device: torch.device) -> torch.Tensor:
+    """[len(draft_costs), width]: a step's cost with each drafting cost, verifying 0..width - 1 drafts."""
+    seconds = [[cost.draft_step + draft + cost(n + 1) for n in range(width)] for draft in draft_costs]
+    return to_device(seconds, device, torch.float32)
 
 
 def best_nodes(
@@ -134,18 +147,23 @@ def best_nodes(
 
 
 def best_shared_tree(
-    scores: torch.Tensor, depth: torch.Tensor, cost: PassCost, draft_level: float, limit: int
+    scores: torch.Tensor, depth: torch.Tensor, deepest: int, cost: PassCost, draft_level: float, limit: int
 ) -> tuple[int, int]:
-    """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N].
+    """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N], `deepest`
+    levels of them.
 
     One pass verifies every row, padded to the widest tree, and the batch drafts as deep as its deepest row, so
     both are priced once for all rows: the depth and width that maximise the rows' summed expected tokens per
-    unit of time, each level drafted costing `draft_level`."""
+    unit of time, each level drafted costing `draft_level`. Every depth is priced at once, in one host read."""
+    levels = torch.arange(1, deepest + 1, device=scores.device)
+    shallow = scores.masked_fill(depth > levels[:, None, None], float("-inf"))  # [levels, rows, N]
+    expected = expected_tokens(shallow, limit)
+    draft_costs = [level * draft_level for level in range(1, deepest + 1)]
+    rates = (expected / step_seconds(cost, draft_costs, expected.shape[-1], expected.device)).tolist()
     best, choice = float("-inf"), (1, 0)
-    for levels in range(1, int(depth.max()) + 1):
-        rates = token_rates(scores.masked_fill(depth > levels, float("-inf")), cost, levels * draft_level, limit)
-        if float(rates.max()) > best:
-            best, choice = float(rates.max()), (levels, int(rates.argmax()))
+    for level, row in enumerate(rates, start=1):  # the shallowest of equals, and the fewest drafts (argmax's first)
+        if max(row) > best:
+            best, choice = max(row), (level, row.index(max(row)))
     return choice
 
 

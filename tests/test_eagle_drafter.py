@@ -315,16 +315,21 @@ def test_a_batch_learns_how_often_the_tokens_a_span_adds_are_right():
     merged, _ = _batch_drafters(model, head, [copying, fresh], DynamicTreeSpec(depth=3, top_k=2, nodes=5))
     with torch.no_grad():
         merged.propose_rows([copying, fresh], [8, 8])
-    ((key, span, shared),) = merged.pending[0]
-    assert key == (0, 3) and span == [8, 9, 10, 5, 6, 7] and merged.pending[1] == []
+    ((key, span, shared),) = merged.pending[0].spans
+    assert key == (0, 3) and span == [8, 9, 10, 5, 6, 7] and merged.pending[1] is None
     committed = [8, 9, 44]  # the first two copied tokens right, the third wrong
     states = [
         {layer: torch.zeros(count, model.config.hidden_size) for layer in merged.hidden_layers} for count in (3, 1)
     ]
     merged.observe_rows(states, [torch.tensor(committed), torch.tensor([50])])
+    assert merged.span_rates[0] == {}  # learnt from the committed text on the host, at the next proposal
+    with torch.no_grad():
+        merged.propose_rows(
+            [torch.cat([copying, torch.tensor(committed)]), torch.cat([fresh, torch.tensor([50])])], [8, 8]
+        )
     held, tried = span_outcome(span[shared:], committed[shared:])
     assert tried > 0 and merged.span_rates[0][key] == [
         RELIABILITY_DECAY * SPAN_PRIOR[0] + held,
         RELIABILITY_DECAY * SPAN_PRIOR[1] + tried,
     ]
-    assert merged.pending == [[], []] and merged.span_rates[1] == {}
+    assert merged.span_rates[1] == {}

@@ -32,6 +32,7 @@ from inference.tree_size import (
     best_static_paths,
     default_accuracy,
     next_depth,
+    token_rates,
 )
 
 
@@ -289,10 +290,25 @@ def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
     depth = torch.tensor([1, 1, 2, 2, 3, 3])
     scores = torch.log(torch.tensor([[0.9, 0.03, 0.7, 0.02, 0.02, 0.01], [0.8, 0.03, 0.6, 0.02, 0.01, 0.01]]))
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))
-    assert best_shared_tree(scores, depth, gentle, 0.3, limit=6) == (2, 2)  # two levels, the likely chain of each row
-    assert best_shared_tree(scores, depth, gentle, 3.0, limit=6)[0] == 1  # levels cost more than passes: one
+    assert best_shared_tree(scores, depth, 3, gentle, 0.3, limit=6) == (2, 2)  # two levels: each row's likely chain
+    assert best_shared_tree(scores, depth, 3, gentle, 3.0, limit=6)[0] == 1  # levels cost more than passes: one
     likely = torch.log(torch.tensor([[0.95, 0.1, 0.9, 0.05, 0.85, 0.01]] * 2))
-    assert best_shared_tree(likely, depth, gentle, 0.05, limit=6) == (3, 3)
+    assert best_shared_tree(likely, depth, 3, gentle, 0.05, limit=6) == (3, 3)
+
+
+def test_a_batchs_depths_priced_at_once_choose_what_pricing_each_depth_alone_chooses():
+    generator = torch.Generator().manual_seed(7)
+    cost = PassCost(tokens=(1, 8, 32), relative=(1.0, 1.3, 2.1), draft_step=0.1)
+    for trial in range(30):
+        levels, rows, limit = 1 + trial % 5, 1 + trial % 4, 2 + trial % 9
+        depth = torch.arange(1, levels + 1).repeat_interleave(3)
+        scores = torch.rand(rows, depth.shape[0], generator=generator).log() * (1 + trial % 3)
+        best, expected = float("-inf"), (1, 0)
+        for level in range(1, levels + 1):
+            rates = token_rates(scores.masked_fill(depth > level, float("-inf")), cost, level * 0.04, limit)
+            if float(rates.max()) > best:
+                best, expected = float(rates.max()), (level, int(rates.argmax()))
+        assert best_shared_tree(scores, depth, levels, cost, 0.04, limit) == expected
 
 
 def test_sized_static_paths_keep_only_what_pays():

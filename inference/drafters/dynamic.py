@@ -320,7 +320,8 @@ class DynamicTreeDrafter(Drafter):
                 count = drafted_nodes(limit, k)
                 believed[row, : count - 1] = self._believed(nodes, row, count)
         cost = self.spec.cost
-        return best_shared_tree(believed, nodes.depth[1 : nodes.count], cost, cost.draft_level, self.spec.nodes)
+        depth = nodes.depth[1 : nodes.count]
+        return best_shared_tree(believed, depth, max(limits), cost, cost.draft_level, self.spec.nodes)
 
     def _select(
         self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None
@@ -361,6 +362,8 @@ class DynamicTreeDrafter(Drafter):
         if self.spec.cost is not None:
             levels, _ = self._shared_tree(nodes, limits, k)
         pools, held = [], []
+        widest = drafted_nodes(levels, k)  # every row's pool's tokens and parents, read back at once for the spans
+        host_pools = torch.stack([nodes.tokens[:, :widest], nodes.parents[:, :widest]]).tolist() if any(spans) else None
         for row, row_spans in enumerate(spans):
             depth_limit = min(limits[row], levels)
             count = drafted_nodes(depth_limit, k) if depth_limit >= 1 else 1
@@ -374,15 +377,16 @@ class DynamicTreeDrafter(Drafter):
                 nodes.ancestors[row, :count, :count],
                 believed,
             )
-            row_held = []
+            row_held, host = [], host_pools and (host_pools[0][row][:count], host_pools[1][row][:count])
             for span, log_rate in row_spans:
-                pool, shared = graft_span(*pool, span, log_rate)
+                pool, shared = graft_span(*pool, span, log_rate, host)
                 row_held.append(shared)
             pools.append((count, pool))
             held.append(row_held)
         width = self.spec.nodes
         if self.spec.cost is not None:
-            believed = torch.full((len(pools), max(pool[4].shape[0] for _, pool in pools) - 1), float("-inf"))
+            widest = max(pool[4].shape[0] for _, pool in pools) - 1
+            believed = torch.full((len(pools), widest), float("-inf"), device=nodes.scores.device)
             for row, (_, pool) in enumerate(pools):
                 believed[row, : pool[4].shape[0] - 1] = pool[4][1:]
             cost = self.spec.cost

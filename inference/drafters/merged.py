@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..transfer import to_device
 from ..tree import Tree, merge_trees, verifiable_tree
 from .base import Drafter, SequenceDrafter, TokenDrafter, drafter_name
 from .dynamic import RELIABILITY_DECAY, DynamicTreeDrafter
 from .lookup import PromptLookupDrafter, span_tree
 
 SPAN_PRIOR = (1.0, 2.0)  # (tokens held, tokens tried): a row's first copied tokens are believed right half the time
+
+
+@dataclass
+class PendingSpans:
+    """A row's copied spans of one step, till the tokens its verification committed are known: (rate key, span,
+    how many of its first tokens the drafts held) each; where the row's text stood; how many tokens the step
+    committed (from observe_rows, then read on the host at the next proposal)."""
+
+    spans: list[tuple[tuple[int, int], list[int], int]]
+    start: int
+    committed: int | None = None
 
 
 class MergedDrafter(Drafter):
@@ -46,23 +57,31 @@ class MergedDrafter(Drafter):
         for drafter in self.drafters:
             drafter.reset(rows)
         # per row: {(token drafter, n-gram length): [decayed tokens that held, decayed tokens tried]}, and the
-        # spans of its last step, till the target's answer
-        self.span_rates, self.pending = [{} for _ in range(rows)], [[] for _ in range(rows)]
+        # spans of its last drafting step till the target's answer is learnt from them (PendingSpans)
+        self.span_rates, self.pending = [{} for _ in range(rows)], [None] * rows
 
     def observe_rows(self, hidden: list[dict[int, torch.Tensor]], next_tokens: list[torch.Tensor]) -> None:
         for drafter in self.drafters:
             drafter.observe_rows(hidden, next_tokens)
         for row, tokens in enumerate(next_tokens):
-            if self.pending[row]:
-                committed = tokens.tolist()
-                for key, span, shared in self.pending[row]:
-                    if span[:shared] != committed[:shared]:
-                        continue  # the span's tokens the drafts held were wrong: nothing learnt of the tokens it added
-                    held, tried = span_outcome(span[shared:], committed[shared:])
-                    rate = self.span_rates[row].setdefault(key, list(SPAN_PRIOR))
-                    rate[0] = RELIABILITY_DECAY * rate[0] + held
-                    rate[1] = RELIABILITY_DECAY * rate[1] + tried
-                self.pending[row] = []
+            pending = self.pending[row]
+            if pending is not None and pending.committed is None:  # the step that verified them: how many it made
+                pending.committed = tokens.shape[0]
+
+    def _learn_from_spans(self, host_texts: list[np.ndarray]) -> None:
+        """Each row's rates, from the tokens the step that verified its last spans committed (read on the host)."""
+        for row, (pending, host) in enumerate(zip(self.pending, host_texts)):
+            if pending is None or pending.committed is None:
+                continue
+            committed = host[pending.start : pending.start + pending.committed].tolist()
+            for key, span, shared in pending.spans:
+                if span[:shared] != committed[:shared]:
+                    continue  # the span's tokens the drafts held were wrong: nothing learnt of the tokens it added
+                held, tried = span_outcome(span[shared:], committed[shared:])
+                rate = self.span_rates[row].setdefault(key, list(SPAN_PRIOR))
+                rate[0] = RELIABILITY_DECAY * rate[0] + held
+                rate[1] = RELIABILITY_DECAY * rate[1] + tried
+            self.pending[row] = None
 
     def keep_rows(self, rows: list[int]) -> None:
         for drafter in self.drafters:
@@ -73,13 +92,14 @@ class MergedDrafter(Drafter):
         for drafter in self.drafters:
             drafter.add_rows(count)
         self.span_rates += [{} for _ in range(count)]
-        self.pending += [[] for _ in range(count)]
+        self.pending += [None] * count
 
     def propose_rows(
         self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
     ) -> list[Tree]:
         if host_texts is None:  # outside the loop: read the texts back
             host_texts = [text.cpu().numpy() for text in texts]
+        self._learn_from_spans(host_texts)
         if self.grafts and len(texts) > 1:
             return self._propose_grafted(texts, max_depths, host_texts)
         spans, head_depths = [], []
@@ -109,21 +129,25 @@ class MergedDrafter(Drafter):
     ) -> list[Tree]:
         """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
         spans, copied = [], []  # per row: (span, log-rate) pairs for the head; each span's rate key and tokens
-        for row, (text, host, max_depth) in enumerate(zip(texts, host_texts, max_depths)):
+        for row, (host, max_depth) in enumerate(zip(host_texts, max_depths)):
             spans.append([])
             copied.append([])
             for index, drafter in enumerate(self.token_drafters):
                 span, matched = drafter.span(host, max_depth)
                 if span:
                     held, tried = self.span_rates[row].get((index, matched), SPAN_PRIOR)
-                    spans[-1].append((to_device(span, text.device), math.log(held / tried)))
+                    spans[-1].append((span, math.log(held / tried)))
                     copied[-1].append(((index, matched), span))
         trees, held = self.head_drafters[0].propose_grafted(texts, max_depths, spans)
         # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
         # rest)
         self.pending = [
-            [(key, span, shared) for (key, span), shared in zip(row_copied, row_held, strict=True)]
-            for row_copied, row_held in zip(copied, held, strict=True)
+            PendingSpans(
+                [(key, span, shared) for (key, span), shared in zip(row_copied, row_held, strict=True)], len(host)
+            )
+            if row_copied
+            else None
+            for row_copied, row_held, host in zip(copied, held, host_texts, strict=True)
         ]
         return trees
 
