@@ -135,7 +135,11 @@ def test_siblings_that_repeat_a_token_are_sampled_exactly(setup, monkeypatch):
     band = exact_sampler_band(exact, max(COUNTS))
     ours = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[max(COUNTS)]
     assert ours < band, f"TV {ours:.4f} is outside an exact sampler's band {band:.4f}"
-    monkeypatch.setattr(engine, "verifiable_tree", lambda tree, root, vocab, max_depth, name: tree.truncate(max_depth))
+
+    def as_proposed_trees(trees, roots, vocab, depths, name):  # only cut to the depth, repeated siblings kept
+        return [tree.truncate(depth) for tree, depth in zip(trees, depths)]
+
+    monkeypatch.setattr(engine, "verifiable_trees", as_proposed_trees)
     as_proposed = engine_tv(model, RepeatedSiblings(model), sampling, exact, tree=None, max_new_tokens=NEW + 1)[
         max(COUNTS)
     ]
