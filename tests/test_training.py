@@ -507,6 +507,12 @@ def test_two_cpu_processes_end_with_the_same_weights(tiny_chat, tmp_path):
     digests = dict(line.split(": weights sha256 ") for line in output.splitlines() if "weights sha256" in line)
     assert set(digests) == {"rank 0", "rank 1"}, output[-3000:]
     assert digests["rank 0"] == digests["rank 1"]
+    # each rank's random state is in each checkpoint (the main process renames it into place only after both wrote)
+    checkpoints = sorted((tmp_path / "ddp.train-state").glob("step-*"))
+    assert checkpoints and all(
+        {"random_states_0.pkl", "random_states_1.pkl"} <= {f.name for f in c.iterdir()} for c in checkpoints
+    )
+    assert not list((tmp_path / "ddp.train-state").glob(".step-*")), "a checkpoint left behind half written"
 
 
 def test_killed_run_resumes_to_the_same_weights(tiny_chat, tmp_path):

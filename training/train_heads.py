@@ -207,6 +207,7 @@ def save_checkpoint(accelerator, root: Path, state: dict, keep: int) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()  # every rank writes its own random state: all of them, before the rename
     if accelerator.is_main_process:
         (staging / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
