@@ -174,16 +174,15 @@ def verifiable_host_tree(
     bad_tokens = any(not 0 <= token < vocab_size for token in tokens)
     if wrong_root or bad_tokens:
         raise_tree_problems([wrong_root, False, bad_tokens, False, False], tree, root, vocab_size, drafter)
-    depth, index, seen, kept = [0], {0: 0}, set(), [0]  # index: a kept node's place in the cut tree
+    depth, seen, kept = [0], set(), {0}
     for node, (token, parent) in enumerate(zip(tokens[1:], parents[1:]), start=1):
         depth.append(depth[parent] + 1)
-        if parent in index and depth[node] <= max_depth and (parent, token) not in seen:
+        if parent in kept and depth[node] <= max_depth and (parent, token) not in seen:
             seen.add((parent, token))
-            index[node] = len(kept)
-            kept.append(node)
+            kept.add(node)
     if len(kept) == len(tokens):
         return tree
-    return Tree.from_lists([tokens[n] for n in kept], [index.get(parents[n], -1) for n in kept], device)
+    return host_subtree(tokens, parents, sorted(kept), device)
 
 
 def verifiable_chain(
@@ -419,46 +418,63 @@ def selection_key(scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return key
 
 
-def graft_span(tokens, parents, depth, ancestors, scores, span, log_rate: float, host: tuple | None = None):
-    """A candidate pool of one row (tokens, parents, depth [N], ancestors [N, N], path log-scores [N]; node 0 the
-    root) with a copied span grafted on as a path from the root. The span's first tokens that the pool already
-    holds as a path keep their scores; the rest of the span is appended as a chain under the last of them, each
-    token scored `log_rate` below its parent (the log-probability that a copied token the pool did not have is
-    right, when what precedes it is). Returns the five, grown, and how many span tokens the pool held. `span`: a
-    list of token ids (or a tensor, read back); `host`: the pool's tokens and parents as lists, where the caller
-    has them (else they are read back), extended in place with the grafted nodes.
+@dataclass
+class CandidatePool:
+    """One row's candidate nodes on the host, from which its tree is chosen: node 0 the root, every parent before its
+    children; `scores` the paths' log-probabilities (the root's 0), a child's never above its parent's."""
 
-    Every node's score stays at most its parent's, so select_best_nodes keeps the grown pool ancestor-closed.
-    """
-    host_tokens, host_parents = host if host is not None else (tokens.tolist(), parents.tolist())
-    children = {(p, t): i for i, (p, t) in enumerate(zip(host_parents, host_tokens)) if p >= 0}
+    tokens: list[int]
+    parents: list[int]
+    depth: list[int]
+    scores: list[float]
+
+    def best(self, count: int) -> list[int]:
+        """select_best_nodes on the host: the root and the `count` best other nodes, ascending."""
+        return sorted(host_selection_order(self.scores, self.depth)[: count + 1])
+
+    def tree(self, keep: Sequence[int], device: torch.device | str) -> Tree:
+        return host_subtree(self.tokens, self.parents, keep, device)
+
+
+def host_subtree(tokens: Sequence[int], parents: Sequence[int], keep: Sequence[int], device) -> Tree:
+    """subtree on host lists: the tree on nodes `keep` (ascending, ancestor-closed), built by Tree.from_lists."""
+    index = {node: place for place, node in enumerate(keep)}
+    return Tree.from_lists([tokens[n] for n in keep], [index.get(parents[n], -1) for n in keep], device)
+
+
+def host_selection_order(scores: Sequence[float], depth: Sequence[int]) -> list[int]:
+    """selection_key's order on host floats: the root first, then by score, the shallower first at a tie, impossible
+    nodes (-inf, NaN) last, the deeper lower."""
+
+    def key(node: int) -> tuple:
+        if node == 0:
+            return (0,)
+        if scores[node] > float("-inf"):  # False for NaN as well
+            return (1, -scores[node], depth[node])
+        return (2, depth[node])
+
+    return sorted(range(len(scores)), key=key)
+
+
+def graft_span(pool: CandidatePool, span: Sequence[int], log_rate: float) -> int:
+    """Grafts a copied span onto `pool` (in place) as a path from the root; returns how many of its first tokens the
+    pool held already as a path. Those keep their scores; the rest of the span is appended as a chain under the last
+    of them, each token scored `log_rate` below its parent (the log-probability that a copied token the pool did not
+    have is right, when what precedes it is), so the pool stays ancestor-closed under selection."""
+    children = {(p, t): i for i, (p, t) in enumerate(zip(pool.parents, pool.tokens)) if p >= 0}
     node, held = 0, 0
-    span = span.tolist() if isinstance(span, torch.Tensor) else list(span)
     for token in span:
         found = children.get((node, token))
         if found is None:
             break
         node, held = found, held + 1
-    count, added, device = tokens.shape[0], len(span) - held, tokens.device
-    if added == 0:
-        return (tokens, parents, depth, ancestors, scores), held
-    rest = to_device(span[held:], device)
-    host_tokens += span[held:]
-    host_parents += [node] + list(range(count, count + added - 1))
-    grown = torch.zeros(count + added, count + added, dtype=torch.bool, device=device)
-    grown[:count, :count] = ancestors
-    grown[count:, :count] = ancestors[node]
-    grown[count:, count:] = torch.ones(added, added, dtype=torch.bool, device=device).tril()
-    chain = torch.arange(count - 1, count + added - 1, device=device)
-    chain[0] = node
-    steps = torch.arange(1, added + 1, device=device)
-    return (
-        torch.cat([tokens, rest]),
-        torch.cat([parents, chain]),
-        torch.cat([depth, depth[node] + steps]),
-        grown,
-        torch.cat([scores, scores[node] + log_rate * steps.to(scores.dtype)]),
-    ), held
+    for token in span[held:]:
+        pool.tokens.append(token)
+        pool.parents.append(node)
+        pool.depth.append(pool.depth[node] + 1)
+        pool.scores.append(pool.scores[node] + log_rate)
+        node = len(pool.tokens) - 1
+    return held
 
 
 # ---- merging proposals of several drafters ---------------------------------------------------------

@@ -146,24 +146,39 @@ def best_nodes(
     return order[: count + 1].sort().values, tree
 
 
+def shared_token_rates(scores: Sequence[Sequence[float]], cost: PassCost, draft_cost: float, limit: int) -> list[float]:
+    """token_rates for a batch on host floats: scores[row] holds that row's drafts' log-probabilities (any order);
+    rates[n] for every row keeping its n likeliest, n = 0..min(limit, most drafts a row has)."""
+    probabilities = [sorted((math.exp(s) for s in row if s > float("-inf")), reverse=True)[:limit] for row in scores]
+    width = max((len(row) for row in probabilities), default=0)
+    expected = [float(len(scores))] * (width + 1)  # each row's root
+    for row in probabilities:
+        kept = list(itertools.accumulate(row, initial=0.0))
+        for n in range(1, width + 1):  # a row with fewer drafts keeps them all
+            expected[n] += kept[min(n, len(row))]
+    return [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
+
+
 def best_shared_tree(
-    scores: torch.Tensor, depth: torch.Tensor, deepest: int, cost: PassCost, draft_level: float, limit: int
+    scores: Sequence[Sequence[float]],
+    depth: Sequence[int],
+    deepest: int,
+    cost: PassCost,
+    draft_level: float,
+    limit: int,
 ) -> tuple[int, int]:
-    """(levels to draft, drafts each row keeps) for a batch: scores [rows, N] of drafts at `depth` [N], `deepest`
-    levels of them.
+    """(levels to draft, drafts each row keeps) for a batch, on host floats: scores[row][i] of draft i at depth[i],
+    `deepest` levels of them.
 
     One pass verifies every row, padded to the widest tree, and the batch drafts as deep as its deepest row, so
     both are priced once for all rows: the depth and width that maximise the rows' summed expected tokens per
-    unit of time, each level drafted costing `draft_level`. Every depth is priced at once, in one host read."""
-    levels = torch.arange(1, deepest + 1, device=scores.device)
-    shallow = scores.masked_fill(depth > levels[:, None, None], float("-inf"))  # [levels, rows, N]
-    expected = expected_tokens(shallow, limit)
-    draft_costs = [level * draft_level for level in range(1, deepest + 1)]
-    rates = (expected / step_seconds(cost, draft_costs, expected.shape[-1], expected.device)).tolist()
+    unit of time, each level drafted costing `draft_level`. The shallowest of equals, and the fewest drafts."""
     best, choice = float("-inf"), (1, 0)
-    for level, row in enumerate(rates, start=1):  # the shallowest of equals, and the fewest drafts (argmax's first)
-        if max(row) > best:
-            best, choice = max(row), (level, row.index(max(row)))
+    for level in range(1, deepest + 1):
+        shallow = [[s for s, d in zip(row, depth) if d <= level] for row in scores]
+        rates = shared_token_rates(shallow, cost, level * draft_level, limit)
+        if max(rates) > best:
+            best, choice = max(rates), (level, rates.index(max(rates)))
     return choice
 
 

@@ -151,6 +151,37 @@ def test_the_default_calls_drafting_reads_the_host_at_most_twice_a_decode_step()
     assert long_passes - short_passes <= long_reads - short_reads <= 2 * (long_passes - short_passes), sources
 
 
+def test_a_batchs_drafting_reads_the_host_at_most_twice_a_decode_step():
+    """The default call over four prompts at once: each row's copied spans are grafted onto its pool of the head's
+    drafts, the depth and width priced for all rows, and every row's tree built and checked on the host, after one
+    read of the rows' drafts (_select_batch); with the step's outcome, two reads a step."""
+    from heads import EagleConfig, EagleHead
+    from inference import DynamicTreeSpec
+    from inference.tree_size import PassCost
+
+    model = tiny_model(eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config, copy_input=True, draft_vocab_size=32)).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = []
+    for length in range(6, 10):
+        phrase = torch.randint(1, model.config.vocab_size, (length,), generator=generator)
+        prompts.append(torch.cat([phrase, phrase, phrase[:3]]))  # lookup finds what followed these tokens
+    references = [hf_greedy(model, prompt, 24) for prompt in prompts]
+    cost = PassCost(tokens=(1, 16), relative=(1.0, 1.05), draft_level=0.02)  # drafting pays: most steps draft
+    tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8, cost=cost)
+    runs = []
+    for new_tokens in (12, 24):
+        with gpu_check.recording_host_reads() as reads:
+            outs = generate(model, head, prompts, max_new_tokens=new_tokens, tree=tree, fallback=False, batch_size=4)
+        assert [out.token_ids for out in outs] == [reference[:new_tokens] for reference in references]
+        runs.append((max(out.stats.target_forwards for out in outs), reads.count, reads.sources))
+    (short_passes, short_reads, _), (long_passes, long_reads, sources) = runs
+    assert long_passes - short_passes >= 4
+    extra = 1  # the context vocabulary reads its size every few dozen tokens it reads
+    assert long_passes - short_passes <= long_reads - short_reads <= 2 * (long_passes - short_passes) + extra, sources
+
+
 def test_replay_drafter_makes_every_step_accept_the_drawn_length():
     model = tiny_model(eos=None)  # no EOS: every step decodes, and the last one exactly fills the budget
     prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))

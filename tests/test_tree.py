@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from inference.drafters import span_outcome
 from inference.tree import (
+    CandidatePool,
     Tree,
     TreeError,
     attention_mask,
@@ -32,6 +33,7 @@ from inference.tree_size import (
     best_static_paths,
     default_accuracy,
     next_depth,
+    shared_token_rates,
     token_rates,
 )
 
@@ -287,28 +289,39 @@ def test_a_batch_prices_one_width_for_all_its_rows():
 
 def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
     # depth-1 drafts are likely, depth-3 ones are not: drafting three levels costs more than they bring
-    depth = torch.tensor([1, 1, 2, 2, 3, 3])
-    scores = torch.log(torch.tensor([[0.9, 0.03, 0.7, 0.02, 0.02, 0.01], [0.8, 0.03, 0.6, 0.02, 0.01, 0.01]]))
+    depth = [1, 1, 2, 2, 3, 3]
+    scores = [
+        [math.log(p) for p in row] for row in ([0.9, 0.03, 0.7, 0.02, 0.02, 0.01], [0.8, 0.03, 0.6, 0.02, 0.01, 0.01])
+    ]
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))
     assert best_shared_tree(scores, depth, 3, gentle, 0.3, limit=6) == (2, 2)  # two levels: each row's likely chain
     assert best_shared_tree(scores, depth, 3, gentle, 3.0, limit=6)[0] == 1  # levels cost more than passes: one
-    likely = torch.log(torch.tensor([[0.95, 0.1, 0.9, 0.05, 0.85, 0.01]] * 2))
+    likely = [[math.log(p) for p in [0.95, 0.1, 0.9, 0.05, 0.85, 0.01]]] * 2
     assert best_shared_tree(likely, depth, 3, gentle, 0.05, limit=6) == (3, 3)
 
 
-def test_a_batchs_depths_priced_at_once_choose_what_pricing_each_depth_alone_chooses():
+def test_a_batchs_depths_priced_on_the_host_choose_what_token_rates_chooses_for_each_depth():
     generator = torch.Generator().manual_seed(7)
     cost = PassCost(tokens=(1, 8, 32), relative=(1.0, 1.3, 2.1), draft_step=0.1)
     for trial in range(30):
         levels, rows, limit = 1 + trial % 5, 1 + trial % 4, 2 + trial % 9
         depth = torch.arange(1, levels + 1).repeat_interleave(3)
-        scores = torch.rand(rows, depth.shape[0], generator=generator).log() * (1 + trial % 3)
+        scores = torch.rand(rows, depth.shape[0], generator=generator, dtype=torch.float64).log() * (1 + trial % 3)
+        if trial % 4 == 0:
+            scores[0, 1::2] = float("-inf")  # impossible drafts
         best, expected = float("-inf"), (1, 0)
         for level in range(1, levels + 1):
             rates = token_rates(scores.masked_fill(depth > level, float("-inf")), cost, level * 0.04, limit)
             if float(rates.max()) > best:
                 best, expected = float(rates.max()), (level, int(rates.argmax()))
-        assert best_shared_tree(scores, depth, levels, cost, 0.04, limit) == expected
+            host = shared_token_rates(
+                [[s for s, d in zip(row, depth.tolist()) if d <= level] for row in scores.tolist()],
+                cost,
+                level * 0.04,
+                limit,
+            )
+            torch.testing.assert_close(torch.tensor(host, dtype=torch.float32), rates[: len(host)])
+        assert best_shared_tree(scores.tolist(), depth.tolist(), levels, cost, 0.04, limit) == expected
 
 
 def test_sized_static_paths_keep_only_what_pays():
@@ -346,29 +359,32 @@ def test_a_grafted_span_adds_its_path_and_keeps_the_pool_ancestor_closed(pool, s
     tree = merge_trees(
         Tree.chain(pool[0][:1]), Tree.from_parents(pool[0], pool[1])
     )  # siblings' tokens distinct, as a head's are
-    steps = torch.tensor(data.draw(st.lists(st.floats(0.01, 1.0), min_size=tree.size, max_size=tree.size))).log()
-    scores = torch.zeros(tree.size)
+    steps = data.draw(st.lists(st.floats(0.01, 1.0), min_size=tree.size, max_size=tree.size))
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    scores = [0.0]
     for node in range(1, tree.size):
-        scores[node] = scores[tree.parents[node]] + steps[node]
-    grown, held = graft_span(
-        tree.tokens, tree.parents, tree.depth, tree.ancestors, scores, torch.tensor(span), math.log(rate)
-    )
-    tokens, parents, depth, ancestors, new_scores = grown
-    check_parents(parents)
-    rebuilt = Tree.from_parents(tokens, parents)
-    assert torch.equal(rebuilt.ancestors, ancestors) and torch.equal(rebuilt.depth, depth)
-    span_paths = [tuple([int(tree.tokens[0])] + span[:j]) for j in range(1, len(span) + 1)]
+        scores.append(scores[parents[node]] + math.log(steps[node]))
+    pool = CandidatePool(list(tokens), list(parents), tree.depth.tolist(), list(scores))
+    held = graft_span(pool, span, math.log(rate))
+    rebuilt = Tree.from_lists(pool.tokens, pool.parents)
+    assert pool.depth == rebuilt.depth.tolist()
+    span_paths = [tuple([tokens[0]] + span[:j]) for j in range(1, len(span) + 1)]
     assert root_to_node_paths(rebuilt) == root_to_node_paths(tree) | set(span_paths)
-    assert tokens.shape[0] == len(root_to_node_paths(tree) | set(span_paths))  # no path twice
+    assert len(pool.tokens) == len(root_to_node_paths(tree) | set(span_paths))  # no path twice
     assert held == sum(path in root_to_node_paths(tree) for path in span_paths)
-    assert torch.equal(new_scores[: tree.size], scores)  # the pool's own nodes keep their scores
-    added = new_scores[tree.size :] - new_scores[parents[tree.size :]]
-    torch.testing.assert_close(
-        added, torch.full_like(added, math.log(rate))
-    )  # each added token: log_rate below its parent
-    for count in range(tokens.shape[0]):
-        keep = set(select_best_nodes(new_scores, depth, count).tolist())
-        assert all(int(parents[node]) in keep for node in keep if node)
+    assert pool.scores[: tree.size] == scores  # the pool's own nodes keep their scores
+    for node in range(tree.size, len(pool.tokens)):  # each added token: log_rate below its parent
+        assert pool.scores[node] == pytest.approx(pool.scores[pool.parents[node]] + math.log(rate))
+    for count in range(len(pool.tokens)):
+        keep = pool.best(count)
+        on_device = select_best_nodes(torch.tensor(pool.scores, dtype=torch.float64), rebuilt.depth, count).tolist()
+        ranked = [sorted((pool.scores[n], pool.depth[n]) for n in nodes) for nodes in (keep, on_device)]
+        assert ranked[0] == ranked[1]  # the same nodes, up to ties (equal scores at equal depths)
+        assert all(pool.parents[node] in keep for node in keep if node)
+        kept = pool.tree(keep, "cpu")
+        assert _same_tree(
+            kept, subtree(rebuilt.tokens, rebuilt.parents, rebuilt.depth, rebuilt.ancestors, torch.tensor(keep))
+        )
 
 
 def test_a_copied_span_counts_the_tokens_tried_until_one_is_wrong():

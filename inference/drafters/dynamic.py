@@ -3,6 +3,7 @@ Medusa heads): the trees grow level by level, one head pass a level for every ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,9 +14,18 @@ from heads import DraftVocabulary
 from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
 from ..padding import prefill_groups, right_padded_mask
-from ..transfer import to_device
-from ..tree import Tree, TreeError, additive_mask, graft_span, matched_depth, select_best_nodes, subtree
-from ..tree_size import DynamicTreeSpec, best_nodes, best_shared_tree, next_depth, token_rates
+from ..transfer import read_together, to_device
+from ..tree import (
+    CandidatePool,
+    Tree,
+    TreeError,
+    additive_mask,
+    graft_span,
+    matched_depth,
+    select_best_nodes,
+    subtree,
+)
+from ..tree_size import DynamicTreeSpec, best_nodes, best_shared_tree, next_depth, shared_token_rates
 from .base import Drafter, root_only
 
 RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
@@ -247,15 +257,9 @@ class DynamicTreeDrafter(Drafter):
         if grown is None:
             return [root_only(text) for text in texts]
         nodes, limits, k = grown
-        rows = len(texts)
-        if rows == 1 or self.spec.cost is None:
-            return [self._select(nodes, row, limits[row], max_depths[row], k) for row in range(rows)]
-        levels, width = self._shared_tree(nodes, limits, k)
-        trees = [self._select(nodes, row, min(limits[row], levels), max_depths[row], k, width) for row in range(rows)]
-        if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped this step
-            for row in self.rows:
-                row.level = next_depth(levels, max(limits), self.spec.depth)
-        return trees
+        if len(texts) == 1:
+            return [self._select(nodes, 0, limits[0], max_depths[0], k)]
+        return self._select_batch(nodes, limits, max_depths, k, [[] for _ in texts])[0]
 
     def propose_grafted(
         self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list]
@@ -266,7 +270,7 @@ class DynamicTreeDrafter(Drafter):
         if grown is None:  # no row may draft: every span is empty too (max_depth 0)
             return [root_only(text) for text in texts], [[0] * len(row_spans) for row_spans in spans]
         nodes, limits, k = grown
-        return self._select_grafted(nodes, limits, max_depths, k, spans)
+        return self._select_batch(nodes, limits, max_depths, k, spans)
 
     def _grow(self, texts: list[torch.Tensor], max_depths: list[int]):
         """Read the committed texts, then grow every row's tree as deep as the deepest row may go: (the DraftNodes,
@@ -304,41 +308,23 @@ class DynamicTreeDrafter(Drafter):
         self.cache.crop(-sum(f.shape[1] for f in fed))
         return nodes, limits, k
 
-    def _believed(self, nodes: DraftNodes, row: int, count: int) -> torch.Tensor:
-        """Row `row`'s first `count` drafts' log-probabilities, scaled by how far they have held (reliability)."""
-        return nodes.scores[row, 1:count] + self._log_reliability(row)
-
     def _log_reliability(self, row: int) -> torch.Tensor:
         return self.reliability(row).clamp(min=1e-6).log()
 
-    def _shared_tree(self, nodes: DraftNodes, limits: list[int], k: int) -> tuple[int, int]:
-        """(levels, drafts a row keeps) for a batch, priced once for all rows (best_shared_tree): one pass verifies
-        every row padded to the widest tree, and the batch drafts as deep as its deepest row."""
-        believed = torch.full((len(limits), nodes.count - 1), float("-inf"), device=nodes.scores.device)
-        for row, limit in enumerate(limits):
-            if limit >= 1:
-                count = drafted_nodes(limit, k)
-                believed[row, : count - 1] = self._believed(nodes, row, count)
-        cost = self.spec.cost
-        depth = nodes.depth[1 : nodes.count]
-        return best_shared_tree(believed, depth, max(limits), cost, cost.draft_level, self.spec.nodes)
-
-    def _select(
-        self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int, width: int | None = None
-    ) -> Tree:
-        """Row `row`'s nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
-        cost those that pay for themselves (in a batch: `width`, the count priced for all rows)."""
+    def _select(self, nodes: DraftNodes, row: int, depth_limit: int, max_depth: int, k: int) -> Tree:
+        """A single row's nodes to verify: the `spec.nodes` likeliest no deeper than its limit, or with a measured
+        cost those that pay for themselves."""
         if depth_limit < 1:
             return root_only(nodes.tokens[row, :1])
         count = drafted_nodes(depth_limit, k)  # nodes are added level by level: these are the first levels'
         scores, depth = nodes.scores[row, :count], nodes.depth[:count]
         tokens, parents = nodes.tokens[row, :count], nodes.parents[row, :count]
-        if self.spec.cost is not None and width is None:  # keep what pays for itself: a tree built on the host
+        if self.spec.cost is not None:  # keep what pays for itself: a tree built on the host
             cost, shift = self.spec.cost, self._log_reliability(row)
             draft_cost = depth_limit * cost.draft_level
             keep, tree = best_nodes(scores, depth, tokens, parents, shift, cost, draft_cost, self.spec.nodes)
         else:
-            keep = select_best_nodes(scores, depth, self.spec.nodes if width is None else width)
+            keep = select_best_nodes(scores, depth, self.spec.nodes)
             tree = subtree(tokens, parents, depth, nodes.ancestors[row], keep, read_depth=False)
         state = self.rows[row]
         state.guess = (tree, None, scores[keep[1:]].exp().sum())
@@ -346,61 +332,56 @@ class DynamicTreeDrafter(Drafter):
             state.level = next_depth(tree.max_depth, depth_limit, self.spec.depth)
         return tree
 
-    def _select_grafted(
-        self,
-        nodes: DraftNodes,
-        limits: list[int],
-        max_depths: list[int],
-        k: int,
-        spans: list[list],
+    def _select_batch(
+        self, nodes: DraftNodes, limits: list[int], max_depths: list[int], k: int, spans: list[list]
     ) -> tuple[list[Tree], list[list[int]]]:
-        """Each row's drafts and copied spans in one pool, every tree as wide as the batch's: the likeliest of
-        the pool, by the drafts' (scaled) probabilities and the spans' scores, as many as pay for their
-        verification (without a measured cost: spec.nodes). A span costs no drafting, and it displaces drafts
-        only where it is believed likelier, so a batch pays for no row's long span with a wider pass."""
+        """Every row's tree, chosen on the host after ONE read of the rows' drafts: each row's candidate pool (its
+        drafts no deeper than its limit, and its copied spans grafted on, spans[b] holding (tokens, log-rate) pairs),
+        of which it keeps the likeliest, every tree as wide as the batch's. With a measured cost, the depth and the
+        width are priced once for all rows (best_shared_tree, shared_token_rates): one pass verifies every row padded
+        to the widest tree, and the batch drafts as deep as its deepest row. A span costs no drafting, and it
+        displaces drafts only where it is believed likelier, so a batch pays for no row's long span with a wider
+        pass. Also returns how many of each span's first tokens the drafts held."""
+        rows, cost, device = len(limits), self.spec.cost, nodes.tokens.device
+        shifts = torch.stack([self._log_reliability(row) for row in range(rows)])  # drafts' probabilities, scaled
+        scores, tokens, parents, depth, shifts = read_together(
+            nodes.scores, nodes.tokens, nodes.parents, nodes.depth, shifts
+        )
+        depth = [int(d) for d in depth]
+        believed = []  # each row's drafts (root excluded), those past its depth limit impossible
+        for row, limit in enumerate(limits):
+            count = drafted_nodes(limit, k) if limit >= 1 else 1
+            believed.append([s + shifts[row] if i < count else float("-inf") for i, s in enumerate(scores[row][1:], 1)])
         levels = max(limits)
-        if self.spec.cost is not None:
-            levels, _ = self._shared_tree(nodes, limits, k)
+        if cost is not None:
+            levels, _ = best_shared_tree(believed, depth[1:], levels, cost, cost.draft_level, self.spec.nodes)
         pools, held = [], []
-        widest = drafted_nodes(levels, k)  # every row's pool's tokens and parents, read back at once for the spans
-        host_pools = torch.stack([nodes.tokens[:, :widest], nodes.parents[:, :widest]]).tolist() if any(spans) else None
         for row, row_spans in enumerate(spans):
-            depth_limit = min(limits[row], levels)
-            count = drafted_nodes(depth_limit, k) if depth_limit >= 1 else 1
-            believed = nodes.scores[row, :1]
-            if count > 1:
-                believed = torch.cat([believed, self._believed(nodes, row, count)])
-            pool = (
-                nodes.tokens[row, :count],
-                nodes.parents[row, :count],
-                nodes.depth[:count],
-                nodes.ancestors[row, :count, :count],
-                believed,
+            count = drafted_nodes(min(limits[row], levels), k) if min(limits[row], levels) >= 1 else 1
+            pool = CandidatePool(
+                [int(t) for t in tokens[row][:count]],
+                [int(p) for p in parents[row][:count]],
+                depth[:count],
+                [0.0] + believed[row][: count - 1],
             )
-            row_held, host = [], host_pools and (host_pools[0][row][:count], host_pools[1][row][:count])
-            for span, log_rate in row_spans:
-                pool, shared = graft_span(*pool, span, log_rate, host)
-                row_held.append(shared)
+            held.append([graft_span(pool, span, log_rate) for span, log_rate in row_spans])
             pools.append((count, pool))
-            held.append(row_held)
         width = self.spec.nodes
-        if self.spec.cost is not None:
-            widest = max(pool[4].shape[0] for _, pool in pools) - 1
-            believed = torch.full((len(pools), widest), float("-inf"), device=nodes.scores.device)
-            for row, (_, pool) in enumerate(pools):
-                believed[row, : pool[4].shape[0] - 1] = pool[4][1:]
-            cost = self.spec.cost
-            width = int(token_rates(believed, cost, levels * cost.draft_level, self.spec.nodes).argmax())
+        if cost is not None:
+            rates = shared_token_rates(
+                [pool.scores[1:] for _, pool in pools], cost, levels * cost.draft_level, self.spec.nodes
+            )
+            width = rates.index(max(rates))
             if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped it
                 for row in self.rows:
                     row.level = next_depth(levels, max(limits), self.spec.depth)
         trees = []
-        for row, (count, (tokens, parents, depth, ancestors, believed)) in enumerate(pools):
-            keep = select_best_nodes(believed, depth, width)
-            tree = subtree(tokens, parents, depth, ancestors, keep, read_depth=False)
-            drafted = keep < count  # the head's reliability is judged by its own drafts only
-            expected = (nodes.scores[row, keep.clamp(max=count - 1)].exp() * drafted)[1:].sum()
-            self.rows[row].guess = (tree, drafted, expected)
+        for row, (count, pool) in enumerate(pools):
+            keep = pool.best(width)
+            tree = pool.tree(keep, device)
+            drafted = [node < count for node in keep]  # the head's reliability is judged by its own drafts only
+            expected = sum(math.exp(scores[row][node]) for node in keep[1:] if node < count)
+            self.rows[row].guess = (tree, to_device(drafted, device, torch.bool), expected)
             trees.append(tree)
         return trees, held
 
