@@ -364,6 +364,17 @@ class StaticTree:
     def max_rank(self) -> int:
         return int(self.rank.max())
 
+    def host_tree(self, root: int, candidates: Sequence[Sequence[int]], max_depth: int, device) -> Tree:
+        """fill on the host: candidates[d][r] read back already, the tree built by Tree.from_lists and cut to
+        `max_depth` (its paths are prefix-closed, so the cut is a tree)."""
+        index, tokens, parents = {(): 0}, [root], [-1]
+        for path in self.paths:
+            if len(path) <= max_depth:
+                index[path] = len(tokens)
+                tokens.append(candidates[len(path) - 1][path[-1]])
+                parents.append(index[path[:-1]])
+        return Tree.from_lists(tokens, parents, device)
+
     def fill(self, root: torch.Tensor, candidates: torch.Tensor) -> Tree:
         """candidates[d, r]: the r-th best token for depth d + 1. Returns the tree with real tokens."""
         s = self.structure

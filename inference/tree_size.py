@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .transfer import to_device
 from .tree import Tree, TreeError, selection_key
 
 
@@ -82,37 +81,30 @@ class PassCost:
         return c[i - 1] + (c[i] - c[i - 1]) * (k - t[i - 1]) / (t[i] - t[i - 1])
 
 
-def best_node_count(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> int:
-    """How many drafts (0..limit) maximise expected tokens per unit of time.
+def best_node_count(scores: Sequence[Sequence[float]], cost: PassCost, draft_cost: float, limit: int) -> int:
+    """How many drafts (0..limit) maximise expected tokens per unit of time, on host floats.
 
-    `scores` are the drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
+    scores[row] are a row's drafts' cumulative log-probabilities: EAGLE-2's estimate that each one is accepted.
     Keeping the n likeliest yields 1 + their summed probability tokens for `cost.draft_step + draft_cost +
-    cost(n + 1)`.
-
-    scores [rows, N] is a batch verified in one pass: every row's tree is padded to the widest, so a width of
-    n costs the same whatever each row keeps, and every row keeps its n likeliest; the tokens are the rows' sum.
+    cost(n + 1)`. Several rows are a batch verified in one pass: every row's tree is padded to the widest, so a
+    width of n costs the same whatever each row keeps, and every row keeps its n likeliest; the tokens are the
+    rows' sum. The first best (the fewest drafts) wins a tie.
     """
-    return int(token_rates(scores, cost, draft_cost, limit).argmax())
+    rates = token_rates(scores, cost, draft_cost, limit)
+    return rates.index(max(rates))
 
 
-def token_rates(scores: torch.Tensor, cost: PassCost, draft_cost: float, limit: int) -> torch.Tensor:
-    """[limit + 1]: expected tokens per unit of time for keeping 0..limit drafts (best_node_count), on the
-    scores' device."""
-    expected = expected_tokens(scores.reshape(-1, scores.shape[-1]), limit)
-    return expected / step_seconds(cost, [draft_cost], expected.shape[-1], expected.device)[0]
-
-
-def expected_tokens(scores: torch.Tensor, limit: int) -> torch.Tensor:
-    """scores [..., rows, N] -> [..., n + 1] for n = min(N, limit): the tokens a step is expected to make, summed
-    over the rows, when each row keeps its 0..n likeliest drafts (1 + their summed probability)."""
-    probs = scores.float().exp().sort(dim=-1, descending=True).values[..., :limit]
-    return torch.cat([torch.ones_like(probs[..., :1]), 1 + probs.cumsum(dim=-1)], dim=-1).sum(dim=-2)
-
-
-def step_seconds(cost: PassCost, draft_costs: list[float], width: int, device: torch.device) -> torch.Tensor:
-    """[len(draft_costs), width]: a step's cost with each drafting cost, verifying 0..width - 1 drafts."""
-    seconds = [[cost.draft_step + draft + cost(n + 1) for n in range(width)] for draft in draft_costs]
-    return to_device(seconds, device, torch.float32)
+def token_rates(scores: Sequence[Sequence[float]], cost: PassCost, draft_cost: float, limit: int) -> list[float]:
+    """rates[n]: expected tokens per unit of time when every row keeps its n likeliest drafts (best_node_count), for
+    n = 0..min(limit, the most possible drafts a row has); impossible drafts (-inf, NaN) are never kept."""
+    probabilities = [sorted((math.exp(s) for s in row if s > float("-inf")), reverse=True)[:limit] for row in scores]
+    width = max((len(row) for row in probabilities), default=0)
+    expected = [float(len(scores))] * (width + 1)  # each row's root
+    for row in probabilities:
+        kept = list(itertools.accumulate(row, initial=0.0))
+        for n in range(1, width + 1):  # a row with fewer drafts keeps them all
+            expected[n] += kept[min(n, len(row))]
+    return [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
 
 
 def best_nodes(
@@ -136,7 +128,7 @@ def best_nodes(
     candidates = torch.stack([order, tokens[order], parents[order]]).double().flatten()
     read = torch.cat([believed.double(), candidates]).tolist()
     drafts, nodes = believed.shape[0], order.shape[0]
-    expected = itertools.accumulate(read[:drafts], initial=1.0)  # token_rates' arithmetic, on Python floats
+    expected = itertools.accumulate(read[:drafts], initial=1.0)  # token_rates' arithmetic
     rates = [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
     count = rates.index(max(rates))  # the first best, as argmax
     node, token, parent = (read[drafts + nodes * i : drafts + nodes * i + count + 1] for i in range(3))
@@ -144,19 +136,6 @@ def best_nodes(
     index = {node[i]: place for place, i in enumerate(kept)}
     tree = Tree.from_lists([token[i] for i in kept], [index.get(parent[i], -1) for i in kept], tokens.device)
     return order[: count + 1].sort().values, tree
-
-
-def shared_token_rates(scores: Sequence[Sequence[float]], cost: PassCost, draft_cost: float, limit: int) -> list[float]:
-    """token_rates for a batch on host floats: scores[row] holds that row's drafts' log-probabilities (any order);
-    rates[n] for every row keeping its n likeliest, n = 0..min(limit, most drafts a row has)."""
-    probabilities = [sorted((math.exp(s) for s in row if s > float("-inf")), reverse=True)[:limit] for row in scores]
-    width = max((len(row) for row in probabilities), default=0)
-    expected = [float(len(scores))] * (width + 1)  # each row's root
-    for row in probabilities:
-        kept = list(itertools.accumulate(row, initial=0.0))
-        for n in range(1, width + 1):  # a row with fewer drafts keeps them all
-            expected[n] += kept[min(n, len(row))]
-    return [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
 
 
 def best_shared_tree(
@@ -176,7 +155,7 @@ def best_shared_tree(
     best, choice = float("-inf"), (1, 0)
     for level in range(1, deepest + 1):
         shallow = [[s for s, d in zip(row, depth) if d <= level] for row in scores]
-        rates = shared_token_rates(shallow, cost, level * draft_level, limit)
+        rates = token_rates(shallow, cost, level * draft_level, limit)
         if max(rates) > best:
             best, choice = max(rates), (level, rates.index(max(rates)))
     return choice
@@ -189,8 +168,8 @@ def sized_static_paths(
     maximise expected tokens per unit of time, (1 + their summed probability) / cost(n + 1). n may be 0:
     where no draft pays for its verification, plain decoding is fastest."""
     paths = best_static_paths(max_nodes, accuracy)
-    probability = torch.tensor([math.prod(accuracy[d][r] for d, r in enumerate(path)) for path in paths])
-    return paths[: best_node_count(probability.log(), cost, 0.0, len(paths))]
+    scores = [sum(math.log(accuracy[d][r]) for d, r in enumerate(path)) for path in paths]
+    return paths[: best_node_count([scores], cost, 0.0, len(paths))]
 
 
 def likeliest_paths(

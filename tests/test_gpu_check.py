@@ -12,7 +12,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gpu_check  # noqa: E402
 from conftest import hf_greedy, tiny_model  # noqa: E402
-from inference import generate  # noqa: E402
+from inference import (
+    generate,  # noqa: E402
+    medusa_tree_spec,  # noqa: E402
+)
 from inference.transfer import to_device  # noqa: E402
 
 
@@ -149,6 +152,34 @@ def test_the_default_calls_drafting_reads_the_host_at_most_twice_a_decode_step()
     (short_passes, short_reads, _), (long_passes, long_reads, sources) = runs
     assert long_passes - short_passes >= 4
     assert long_passes - short_passes <= long_reads - short_reads <= 2 * (long_passes - short_passes), sources
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["heads", "lookup merged"])
+def test_medusa_heads_read_the_host_twice_a_decode_step(lookup):
+    """Medusa's step reads its candidates' tokens with their probabilities in one transfer; the tree is priced, built
+    (StaticTree.host_tree) and merged with a copied span on the host, and checked there."""
+    from heads import MedusaConfig, MedusaHeads
+    from inference.tree_size import PassCost
+
+    model = tiny_model(eos=None)
+    torch.manual_seed(0)
+    config = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size, num_heads=3)
+    heads = MedusaHeads(config).eval()
+    phrase = torch.randint(1, model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.cat([phrase, phrase, phrase[:3]])
+    reference = hf_greedy(model, prompt, 24)
+    cost = PassCost(tokens=(1, 16), relative=(1.0, 1.05))  # verifying is cheap: most steps draft
+    tree = medusa_tree_spec(heads, cost=cost)
+    generate(model, heads, prompt, max_new_tokens=24, tree=tree, lookup=lookup, fallback=False)  # shapes cached
+    runs = []
+    for new_tokens in (12, 24):
+        with gpu_check.recording_host_reads() as reads:
+            out = generate(model, heads, prompt, max_new_tokens=new_tokens, tree=tree, lookup=lookup, fallback=False)
+        assert out.token_ids == reference[:new_tokens]
+        runs.append((out.stats.target_forwards, reads.count, reads.sources))
+    (short_passes, short_reads, _), (long_passes, long_reads, sources) = runs
+    assert long_passes - short_passes >= 4
+    assert long_reads - short_reads == 2 * (long_passes - short_passes), sources
 
 
 def test_a_batchs_drafting_reads_the_host_at_most_twice_a_decode_step():

@@ -33,7 +33,6 @@ from inference.tree_size import (
     best_static_paths,
     default_accuracy,
     next_depth,
-    shared_token_rates,
     token_rates,
 )
 
@@ -228,9 +227,13 @@ def test_pass_cost_interpolates_and_extrapolates():
         PassCost(tokens=(2, 4), relative=(1.0, 1.2))
 
 
+def log(*probabilities: float) -> list[float]:
+    return [math.log(p) for p in probabilities]
+
+
 def test_best_node_count_keeps_what_pays_for_itself():
-    confident = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5]))
-    hopeless = torch.log(torch.tensor([0.02, 0.01, 0.01]))
+    confident = [log(0.9, 0.8, 0.7, 0.6, 0.5)]
+    hopeless = [log(0.02, 0.01, 0.01)]
     flat = PassCost(tokens=(1, 64), relative=(1.0, 1.0))  # verifying more tokens is free: keep everything
     steep = PassCost(tokens=(1, 2), relative=(1.0, 2.0))  # each token costs a full pass: keep nothing
     assert best_node_count(confident, flat, 0.0, limit=4) == 4
@@ -238,6 +241,7 @@ def test_best_node_count_keeps_what_pays_for_itself():
     gentle = PassCost(tokens=(1, 8), relative=(1.0, 1.35))  # 0.05 a token: only likely drafts pay
     assert best_node_count(confident, gentle, 0.1, limit=5) == 5
     assert best_node_count(hopeless, gentle, 0.1, limit=3) == 0
+    assert best_node_count([[float("-inf"), float("nan")] + log(0.9)], flat, 0.0, limit=3) == 1  # never impossible
 
 
 def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one_read():
@@ -259,7 +263,7 @@ def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one
             scores[count // 2 :] = float("-inf")  # impossible drafts (their children are too)
         shift, cost, limit = torch.tensor(0.3 * (trial % 4) - 0.4), costs[trial % 3], 1 + trial % 12
         keep, kept_tree = best_nodes(scores, tree.depth, tree.tokens, tree.parents, shift, cost, 0.05, limit)
-        kept = best_node_count(scores[1:] + shift, cost, 0.05, limit)
+        kept = best_node_count([(scores[1:] + shift).tolist()], cost, 0.05, limit)
         assert keep.tolist() == select_best_nodes(scores, tree.depth, kept).tolist()
         expected = subtree(tree.tokens, tree.parents, tree.depth, tree.ancestors, keep)
         for name in ("tokens", "parents", "depth", "ancestors", "max_depth"):
@@ -270,7 +274,7 @@ def test_best_nodes_keeps_what_best_node_count_and_select_best_nodes_keep_in_one
 def test_what_every_step_pays_weighs_for_larger_trees():
     """A draft that does not pay for its verification alone pays once the step costs more whatever it verifies
     (the head reading what the last step committed): it spreads that cost over more tokens."""
-    doubtful = torch.log(torch.tensor([0.3]))
+    doubtful = [log(0.3)]
     assert best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35)), 0.0, limit=1) == 0  # 1.3 / 1.35 < 1
     assert (
         best_node_count(doubtful, PassCost(tokens=(1, 2), relative=(1.0, 1.35), draft_step=1.0), 0.0, limit=1) == 1
@@ -279,12 +283,11 @@ def test_what_every_step_pays_weighs_for_larger_trees():
 
 def test_a_batch_prices_one_width_for_all_its_rows():
     """Every row is padded to the widest tree, so one row's likely drafts pay for the width and every row fills it."""
-    confident = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.6]))
-    hopeless = torch.log(torch.tensor([0.02, 0.01, 0.01, 0.01]))
+    confident, hopeless = log(0.9, 0.8, 0.7, 0.6), log(0.02, 0.01, 0.01, 0.01)
     pricey = PassCost(tokens=(1, 8), relative=(1.0, 2.4))  # 0.2 a token
-    assert best_node_count(hopeless, pricey, 0.0, limit=4) == 0
-    assert best_node_count(torch.stack([confident, hopeless]), pricey, 0.0, limit=4) == 4
-    assert best_node_count(torch.stack([hopeless, hopeless]), pricey, 0.0, limit=4) == 0
+    assert best_node_count([hopeless], pricey, 0.0, limit=4) == 0
+    assert best_node_count([confident, hopeless], pricey, 0.0, limit=4) == 4
+    assert best_node_count([hopeless, hopeless], pricey, 0.0, limit=4) == 0
 
 
 def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
@@ -300,28 +303,37 @@ def test_a_batch_drafts_as_deep_as_pays_for_all_its_rows():
     assert best_shared_tree(likely, depth, 3, gentle, 0.05, limit=6) == (3, 3)
 
 
-def test_a_batchs_depths_priced_on_the_host_choose_what_token_rates_chooses_for_each_depth():
+def test_token_rates_are_expected_tokens_over_a_steps_cost_for_every_width():
+    generator = torch.Generator().manual_seed(5)
+    cost = PassCost(tokens=(1, 8, 32), relative=(1.0, 1.3, 2.1), draft_step=0.1)
+    for trial in range(30):
+        rows, drafts, limit = 1 + trial % 4, 1 + trial % 7, 1 + trial % 9
+        scores = (torch.rand(rows, drafts, generator=generator, dtype=torch.float64).log() * (1 + trial % 3)).tolist()
+        if trial % 3 == 0:
+            scores[0][::2] = [float("-inf")] * len(scores[0][::2])  # impossible drafts: never kept
+        rates = token_rates(scores, cost, 0.3, limit)
+        possible = [sorted((math.exp(s) for s in row if s > float("-inf")), reverse=True) for row in scores]
+        assert len(rates) == 1 + min(limit, max(len(row) for row in possible))
+        for n, rate in enumerate(rates):  # each row keeps its n likeliest (all it has, if fewer)
+            made = sum(1 + sum(row[:n]) for row in possible)
+            assert rate == pytest.approx(made / (0.1 + 0.3 + cost(n + 1)))
+
+
+def test_a_batchs_depth_is_the_best_of_pricing_each_depth_alone():
     generator = torch.Generator().manual_seed(7)
     cost = PassCost(tokens=(1, 8, 32), relative=(1.0, 1.3, 2.1), draft_step=0.1)
     for trial in range(30):
         levels, rows, limit = 1 + trial % 5, 1 + trial % 4, 2 + trial % 9
-        depth = torch.arange(1, levels + 1).repeat_interleave(3)
-        scores = torch.rand(rows, depth.shape[0], generator=generator, dtype=torch.float64).log() * (1 + trial % 3)
-        if trial % 4 == 0:
-            scores[0, 1::2] = float("-inf")  # impossible drafts
+        depth = [level for level in range(1, levels + 1) for _ in range(3)]
+        scores = (torch.rand(rows, len(depth), generator=generator).log() * (1 + trial % 3)).tolist()
         best, expected = float("-inf"), (1, 0)
         for level in range(1, levels + 1):
-            rates = token_rates(scores.masked_fill(depth > level, float("-inf")), cost, level * 0.04, limit)
-            if float(rates.max()) > best:
-                best, expected = float(rates.max()), (level, int(rates.argmax()))
-            host = shared_token_rates(
-                [[s for s, d in zip(row, depth.tolist()) if d <= level] for row in scores.tolist()],
-                cost,
-                level * 0.04,
-                limit,
+            rates = token_rates(
+                [[s for s, d in zip(row, depth) if d <= level] for row in scores], cost, level * 0.04, limit
             )
-            torch.testing.assert_close(torch.tensor(host, dtype=torch.float32), rates[: len(host)])
-        assert best_shared_tree(scores.tolist(), depth.tolist(), levels, cost, 0.04, limit) == expected
+            if max(rates) > best:
+                best, expected = max(rates), (level, rates.index(max(rates)))
+        assert best_shared_tree(scores, depth, levels, cost, 0.04, limit) == expected
 
 
 def test_sized_static_paths_keep_only_what_pays():

@@ -25,7 +25,7 @@ from ..tree import (
     select_best_nodes,
     subtree,
 )
-from ..tree_size import DynamicTreeSpec, best_nodes, best_shared_tree, next_depth, shared_token_rates
+from ..tree_size import DynamicTreeSpec, best_node_count, best_nodes, best_shared_tree, next_depth
 from .base import Drafter, root_only
 
 RELIABILITY_DECAY = 0.9  # the head's reliability is estimated over roughly the last ten steps
@@ -338,7 +338,7 @@ class DynamicTreeDrafter(Drafter):
         """Every row's tree, chosen on the host after ONE read of the rows' drafts: each row's candidate pool (its
         drafts no deeper than its limit, and its copied spans grafted on, spans[b] holding (tokens, log-rate) pairs),
         of which it keeps the likeliest, every tree as wide as the batch's. With a measured cost, the depth and the
-        width are priced once for all rows (best_shared_tree, shared_token_rates): one pass verifies every row padded
+        width are priced once for all rows (best_shared_tree, best_node_count): one pass verifies every row padded
         to the widest tree, and the batch drafts as deep as its deepest row. A span costs no drafting, and it
         displaces drafts only where it is believed likelier, so a batch pays for no row's long span with a wider
         pass. Also returns how many of each span's first tokens the drafts held."""
@@ -368,10 +368,9 @@ class DynamicTreeDrafter(Drafter):
             pools.append((count, pool))
         width = self.spec.nodes
         if cost is not None:
-            rates = shared_token_rates(
+            width = best_node_count(
                 [pool.scores[1:] for _, pool in pools], cost, levels * cost.draft_level, self.spec.nodes
             )
-            width = rates.index(max(rates))
             if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped it
                 for row in self.rows:
                     row.level = next_depth(levels, max(limits), self.spec.depth)

@@ -11,6 +11,7 @@ import torch
 from heads import DraftVocabulary, MedusaHeads
 
 from ..context_vocab import ContextVocabulary
+from ..transfer import read_together
 from ..tree import StaticTree, Tree, TreeError, static_tree
 from ..tree_size import MAX_TOP_K, DynamicTreeSpec, PassCost, likeliest_paths
 from .base import Drafter, as_static_tree, check_head_fits, root_only
@@ -97,13 +98,18 @@ class MedusaDrafter(Drafter):
         top = self.context.log_probs(logits).topk(
             min(ranks, logits.shape[-1]), dim=-1
         )  # a draft vocabulary may be tiny
-        candidates, probabilities = vocab.to_target(top.indices), top.values.exp().tolist()
+        roots = torch.stack([text[-1] for text in texts])
+        # ONE read: the trees are chosen and built on the host (Tree.from_lists), and checked there by the loop
+        candidates, probabilities, roots = read_together(vocab.to_target(top.indices), top.values.exp(), roots)
         trees = []
         for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
             tree = self.tree
             if self.spec is not None:
                 tree = self._likeliest_tree(probabilities[row][: min(depth, max_depth)]) if max_depth >= 1 else None
-            trees.append(root_only(text) if tree is None else tree.fill(text[-1], candidates[row]).truncate(max_depth))
+            if tree is None:
+                trees.append(root_only(text))
+            else:
+                trees.append(tree.host_tree(int(roots[row]), candidates[row], max_depth, text.device))
         return trees
 
     def _likeliest_tree(self, probability: list[list[float]]) -> StaticTree | None:
