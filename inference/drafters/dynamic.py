@@ -371,7 +371,7 @@ class DynamicTreeDrafter(Drafter):
             width = best_node_count(
                 [pool.scores[1:] for _, pool in pools], cost, levels * cost.draft_level, self.spec.nodes
             )
-            if all(depth >= row.level for depth, row in zip(max_depths, self.rows)):  # not when a caller capped it
+            if all(allowed >= row.level for allowed, row in zip(max_depths, self.rows)):  # not when a caller capped it
                 for row in self.rows:
                     row.level = next_depth(levels, max(limits), self.spec.depth)
         trees = []
