@@ -447,8 +447,9 @@ class CandidatePool:
         return host_subtree(self.tokens, self.parents, keep, device)
 
 
-def host_subtree(tokens: Sequence[int], parents: Sequence[int], keep: Sequence[int], device) -> Tree:
-    """subtree on host lists: the tree on nodes `keep` (ascending, ancestor-closed), built by Tree.from_lists."""
+def host_subtree(tokens, parents, keep: Sequence[int], device) -> Tree:
+    """subtree on the host: the tree on nodes `keep` (ascending, ancestor-closed), built by Tree.from_lists; tokens[n]
+    and parents[n] of every kept node n (lists, or dicts by node)."""
     index = {node: place for place, node in enumerate(keep)}
     return Tree.from_lists([tokens[n] for n in keep], [index.get(parents[n], -1) for n in keep], device)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Tree, TreeError, selection_key
+from .tree import Tree, TreeError, host_subtree, selection_key
 
 
 def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:
@@ -131,10 +131,10 @@ def best_nodes(
     expected = itertools.accumulate(read[:drafts], initial=1.0)  # token_rates' arithmetic
     rates = [made / (cost.draft_step + draft_cost + cost(n + 1)) for n, made in enumerate(expected)]
     count = rates.index(max(rates))  # the first best, as argmax
-    node, token, parent = (read[drafts + nodes * i : drafts + nodes * i + count + 1] for i in range(3))
-    kept = sorted(range(count + 1), key=node.__getitem__)  # in node order, as subtree keeps them
-    index = {node[i]: place for place, i in enumerate(kept)}
-    tree = Tree.from_lists([token[i] for i in kept], [index.get(parent[i], -1) for i in kept], tokens.device)
+    node, token, parent = (
+        [int(value) for value in read[drafts + nodes * i : drafts + nodes * i + count + 1]] for i in range(3)
+    )
+    tree = host_subtree(dict(zip(node, token)), dict(zip(node, parent)), sorted(node), tokens.device)
     return order[: count + 1].sort().values, tree
 
 

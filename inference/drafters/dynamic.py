@@ -40,8 +40,8 @@ PROMPT_WINDOW = 1024
 
 def drafted_nodes(levels: int, k: int) -> int:
     """Nodes a tree holds after `levels` levels of EAGLE-2 growth, the root included: k children of the root, then
-    k children for each of the k frontier nodes a level."""
-    return 1 + k + (levels - 1) * k * k
+    k children for each of the k frontier nodes a level; the root alone before the first level."""
+    return 1 if levels < 1 else 1 + k + (levels - 1) * k * k
 
 
 @dataclass
@@ -350,14 +350,14 @@ class DynamicTreeDrafter(Drafter):
         depth = [int(d) for d in depth]
         believed = []  # each row's drafts (root excluded), those past its depth limit impossible
         for row, limit in enumerate(limits):
-            count = drafted_nodes(limit, k) if limit >= 1 else 1
+            count = drafted_nodes(limit, k)
             believed.append([s + shifts[row] if i < count else float("-inf") for i, s in enumerate(scores[row][1:], 1)])
         levels = max(limits)
         if cost is not None:
             levels, _ = best_shared_tree(believed, depth[1:], levels, cost, cost.draft_level, self.spec.nodes)
         pools, held = [], []
         for row, row_spans in enumerate(spans):
-            count = drafted_nodes(min(limits[row], levels), k) if min(limits[row], levels) >= 1 else 1
+            count = drafted_nodes(min(limits[row], levels), k)
             pool = CandidatePool(
                 [int(t) for t in tokens[row][:count]],
                 [int(p) for p in parents[row][:count]],
