@@ -292,3 +292,33 @@ def test_corpus_diversity_counts_distinct_ngrams_lengths_and_openings(tiny_chat,
     assert done.returncode == 0, done.stderr
     table = out.with_suffix(".md").read_text()
     assert "| chat | 3 |" in table and "| maths | 3 |" in table and out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_float32_products_round_like_a_native_bfloat16_kernel():
+    """On a CPU without bfloat16 instructions the distillation runs a bf16 target's linear layers as float32 products
+    rounded back to bf16: each output is the exact product rounded once, the rest of the model is untouched."""
+    import torch
+    import torch.nn.functional as F
+
+    from conftest import tiny_model
+    from training.distill import Float32Products
+
+    torch.manual_seed(0)
+    x, weight, bias = (torch.randn(*shape).to(torch.bfloat16) for shape in ((5, 64), (32, 64), (32,)))
+    exact = (x.double() @ weight.double().T + bias.double()).to(torch.bfloat16)
+    with Float32Products() as mode:
+        out = F.linear(x, weight, bias)
+        assert out.dtype == torch.bfloat16
+        # float32 accumulation of 64 products: at most one rounding step from the exact product, nearly always zero
+        steps = ((out.float() - exact.float()).abs() / exact.float().abs().clamp_min(1e-3) * 128).max()
+        assert steps <= 1.0 and (out == exact).float().mean() > 0.95
+        assert torch.equal(F.linear(x.float(), weight.float()), x.float() @ weight.float().T)  # float32 untouched
+        model = tiny_model().to(torch.bfloat16)
+        prompt = torch.tensor([[5, 17, 42, 8]])
+        logits = model(prompt).logits
+    # one float32 copy of each weight matrix a layer used (the embedding is a lookup; the float32 call made none)
+    assert len(mode.weights) == 1 + sum(p.dim() == 2 for n, p in model.named_parameters() if "embed" not in n)
+    assert logits.dtype == torch.bfloat16
+    reference = model.float()(prompt).logits  # the same weights, every activation in float32
+    assert (logits.float() - reference).abs().max() < 0.05 * reference.abs().max()
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
