@@ -34,6 +34,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -364,6 +365,15 @@ def emulated_bfloat16(cfg: DistillConfig) -> bool:
     return cfg.dtype == "bfloat16" and cfg.device == "cpu" and not inference.target.bfloat16_is_faster("cpu")
 
 
+def load_answering_target(cfg: DistillConfig, device: str = "cpu"):
+    """The target in the corpus's dtype, without load_target's warning against emulated bfloat16: its advice (use
+    float32) does not apply to a bf16 corpus, and the workers run such a target through Float32Products."""
+    with warnings.catch_warnings():
+        if emulated_bfloat16(cfg):
+            warnings.filterwarnings("ignore", message=".*bfloat16 is slower than float32")
+        return inference.target.load_target(cfg.model, dtype=cfg.dtype, device=device)
+
+
 def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy answers; each ends at (and includes) EOS when one came."""
     eos = tokenizer.eos_token_id
@@ -448,7 +458,7 @@ def worker(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -
 
 
 def answer_jobs(rank: int, cfg: DistillConfig, jobs: list[tuple[Path, list[dict]]]) -> None:
-    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    model, tokenizer = load_answering_target(cfg, cfg.device)
     bar = tqdm(
         total=sum(len(j) for _, j in jobs), desc=f"worker {rank}", position=rank, unit="answer", dynamic_ncols=True
     )
@@ -494,7 +504,7 @@ def distill(cfg: DistillConfig) -> Path:
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     asked = cfg.dtype
     cfg.dtype = inference.target.dtype_name(inference.target.as_dtype(cfg.dtype, cfg.device))
-    model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+    model, tokenizer = load_answering_target(cfg)
     directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
     grown = existing_corpus_dtype(cfg, str(model.config._name_or_path)) if asked == "auto" else None
     if grown is not None and grown != cfg.dtype and not any(directory.glob("shard-*.jsonl.gz")):
@@ -505,7 +515,7 @@ def distill(cfg: DistillConfig) -> Path:
             file=sys.stderr,
         )
         cfg.dtype = grown
-        model, tokenizer = inference.target.load_target(cfg.model, dtype=cfg.dtype)
+        model, tokenizer = load_answering_target(cfg)
         directory = corpus_dir(cfg, str(model.config._name_or_path), model.dtype)
     check_manifest(directory, manifest(cfg, model, tokenizer))
     del model
