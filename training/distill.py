@@ -343,8 +343,8 @@ def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: in
 class Float32Products(TorchFunctionMode):
     """Runs a bfloat16 model's linear layers as float32 products of its bfloat16 values, each output rounded back to
     bfloat16: what a native bfloat16 matrix kernel does (products accumulated in float32, the result rounded), on a
-    CPU that has none. There torch's emulated bfloat16 products ran 3-4x slower than this, and agreed no better with
-    the answers native machines wrote (docs/training.md). The float32 copies of the weights are made once."""
+    CPU that has none. There torch's emulated bfloat16 products made answers 2.2-3.7x slower than this, and agreed no
+    better with the answers stored in the corpus (docs/training.md). The float32 copies of the weights are made once."""
 
     def __init__(self):
         super().__init__()
@@ -522,7 +522,7 @@ def distill(cfg: DistillConfig) -> Path:
     if emulated_bfloat16(cfg):
         print(
             "bfloat16 is emulated on this CPU: the workers run the target's linear layers as float32 products rounded "
-            "to bfloat16, as native bfloat16 kernels do (3-4x faster here)",
+            "to bfloat16, as native bfloat16 kernels do (2-4x faster than emulated bfloat16)",
             file=sys.stderr,
         )
     done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}
