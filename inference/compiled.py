@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -280,11 +281,14 @@ def _start_header_build(device: torch.device) -> subprocess.Popen | None:
     package shares and inductor keeps on disk (the precompiled C++ headers of the wrapper and of the kernels, the
     instruction-set probe) while this process exports and lowers the pass. On a fresh machine that is about 30 s
     of g++ (2-core EPYC) that inductor would otherwise run after the lowering, one step after another; on a
-    machine that has them, the second process finds them built and exits. Nothing depends on it: if it fails,
-    inductor builds them itself."""
+    machine where it ran before, no process starts. Nothing depends on it: if it fails, inductor builds them
+    itself."""
     if device.type != "cpu" or not torch._inductor.config.aot_inductor.precompile_headers:
         return None
-    code = "from inference.compiled import compile_tiny_package; compile_tiny_package()"
+    built = _headers_built_marker()
+    if built.exists():
+        return None
+    code = f"from inference.compiled import compile_tiny_package; compile_tiny_package({str(built)!r})"
     package_root = str(Path(__file__).resolve().parents[1])  # where `inference` imports from
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])
@@ -292,8 +296,16 @@ def _start_header_build(device: torch.device) -> subprocess.Popen | None:
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def compile_tiny_package() -> None:
-    """Compile a one-layer package with the passes' options (what _start_header_build's process runs)."""
+def _headers_built_marker() -> Path:
+    """A file beside inductor's precompiled headers (it goes when they go) saying that a header build ran to its end
+    for this torch, this CPU and these options."""
+    key = repr((torch.__version__, torch.backends.cpu.get_cpu_capability(), INDUCTOR_OPTIONS)).encode()
+    return Path(default_cache_dir()) / f"specheads-headers-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
+
+
+def compile_tiny_package(built: str) -> None:
+    """Compile a one-layer package with the passes' options, then create the file `built` (what
+    _start_header_build's process runs)."""
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     with torch.inference_mode():
         program = torch.export.export(module, (torch.zeros(2, 8),), strict=False)
@@ -301,6 +313,8 @@ def compile_tiny_package() -> None:
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(Path(scratch) / "tiny.pt2"), inductor_configs=dict(INDUCTOR_OPTIONS)
         )
+    Path(built).parent.mkdir(parents=True, exist_ok=True)
+    Path(built).touch()
 
 
 def _cache_shapes(one_token_pass) -> list[tuple[int, int]]:
