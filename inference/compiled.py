@@ -290,9 +290,8 @@ def _start_header_build(device: torch.device) -> subprocess.Popen | None:
         return None
     code = f"from inference.compiled import compile_tiny_package; compile_tiny_package({str(built)!r})"
     package_root = str(Path(__file__).resolve().parents[1])  # where `inference` imports from
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])
-    )
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
