@@ -400,6 +400,8 @@ def retire(state: Decoding, going: list[int]) -> None:
         keep_rows(state.cache, to_device(going, state.cache.layers[0].keys.device))
         state.cache.crop(max(row.cached for row in _active(state)) - state.cache.get_seq_length())
         _timed(state, state.drafter.keep_rows, going)
+    else:  # every row finished: the prompts still waiting start afresh, with a new cache and drafter state
+        state.drafter.reset(0)
 
 
 def _timed(state: Decoding, work, *args):
