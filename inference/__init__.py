@@ -1,7 +1,8 @@
 """How heads are used: one decode loop, drafters behind one interface, exact acceptance."""
 
 from .accept import Sampling
-from .compiled import compile_target, warm_up
+from .compiled import compile_target
+from .compiled_heads import warm_up
 from .drafters import (
     Drafter,
     EagleDrafter,

@@ -89,7 +89,7 @@ def main(argv=None):
 
     model, tokenizer = load_target(args.model, dtype=args.dtype, compile=args.compile)
     heads = load_heads(args.heads, model) if args.heads else None
-    warm_up(model)  # compiles now with a progress line, or loads what an earlier run compiled
+    warm_up(model, heads)  # compiles now with a progress line, or loads what an earlier run compiled
     tree = parse_tree(args.tree, heads, model)
     as_drafter(
         with_defaults(heads, not args.no_lookup), model, tree

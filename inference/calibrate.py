@@ -31,7 +31,8 @@ from heads.files import written_atomically
 
 from .accept import Sampling
 from .cache import new_cache
-from .compiled import compiled_settings, decoding_pass, is_compiled, warm_up
+from .compiled import compiled_settings, decoding_pass, is_compiled
+from .compiled_heads import warm_up
 from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees
 from .loop import decode
 from .tree import chain_inputs
@@ -361,7 +362,7 @@ def main(argv=None) -> None:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype, compile=args.compile)
     head = load_heads(args.heads, model) if args.heads else None
-    warm_up(model)
+    warm_up(model, head)
     spec = grown_tree_spec(head)
     if head is not None and spec is None:
         parser.error(

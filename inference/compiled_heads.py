@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
 from .compiled import (
@@ -24,6 +25,7 @@ from .compiled import (
     _stored_cache,
     is_compiled,
     package_key,
+    warm_up_passes,
 )
 from .target import cache_root
 
@@ -171,3 +173,27 @@ def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
     if not hasattr(head, PASSES):
         setattr(head, PASSES, passes(head))
     return getattr(head, PASSES)
+
+
+def head_passes(heads, model) -> list[CompiledPasses]:
+    """The compiled passes of the heads among `heads` (as generate() takes them: a head, a drafter, or a list) that
+    draft through passes of their own: EAGLE heads and early exits. Empty unless `model`'s passes are compiled."""
+    if not is_compiled(model):
+        return []
+    found = []
+    for head in heads if isinstance(heads, (list, tuple)) else [heads]:
+        if isinstance(head, EagleHead):
+            found.append(compiled_head(head, model))
+        elif isinstance(head, EarlyExitHead):
+            found.append(compiled_head(head, model, CompiledEarlyExit))
+        elif isinstance(getattr(head, "run_head", None), CompiledPasses):  # a drafter built on one
+            found.append(head.run_head)
+    return found
+
+
+def warm_up(model, heads=None, *, verbose: bool = True) -> float:
+    """Compile `model`'s decoding pass and the passes of `heads` (as generate() takes them) now, or load them from
+    disk, with a progress line on stderr when they compile; returns the seconds spent. generate() calls it first,
+    so that no call spends minutes compiling without saying so, nor stops to compile after its first token. A model
+    not registered by compile_target is left alone."""
+    return warm_up_passes(model, head_passes(heads, model), verbose=verbose)

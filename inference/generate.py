@@ -14,7 +14,7 @@ from heads.attention import GROUPED_SDPA, grouped_attention
 
 from .accept import Sampling
 from .calibrate import calibrated_tree
-from .compiled import warm_up
+from .compiled_heads import warm_up
 from .drafters import (
     Drafter,
     NoDrafter,
@@ -66,7 +66,7 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
-    warm_up(model)  # a compiled model whose package is not ready: compiled (and said so) or loaded now
+    warm_up(model, heads)  # a compiled model's packages not ready yet: compiled (and said so) or loaded now
     batch = _is_batch(prompt_or_input_ids)
     if batch and streamer is not None:
         raise ValueError("a streamer follows one prompt; stream each prompt of a batch in its own call")

@@ -150,9 +150,9 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
     return {name: table[name] for name in args.methods if name in table}
 
 
-def build_methods(args, model, tokenizer):
-    """name -> function(prompt) -> (tokens, seconds, target forwards or None, our loop's stats or None)."""
-    heads = load_method_heads(args, model)
+def build_methods(args, model, heads: dict):
+    """name -> function(prompt) -> (tokens, seconds, target forwards or None, our loop's stats or None); `heads` as
+    load_method_heads gives them."""
     for head in heads.values():  # measure this machine's pass costs before any timing (cached afterwards)
         calibrated_tree(model, head, verbose=True)
 
@@ -457,8 +457,9 @@ def batch_throughput(args, argv) -> None:
             "leave it out"
         )
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
-    warm_up(model)
-    runs = our_settings(args, load_method_heads(args, model), model)  # method -> generate() keywords
+    heads = load_method_heads(args, model)
+    warm_up(model, list(heads.values()))
+    runs = our_settings(args, heads, model)  # method -> generate() keywords
     prompts = [
         chat_prompt(tokenizer, q["turns"][:1]).tolist()
         for q in pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
@@ -645,8 +646,9 @@ def main(argv=None):
         args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
 
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
-    compile_seconds = warm_up(model)
-    runners = build_methods(args, model, tokenizer)
+    heads = load_method_heads(args, model)
+    compile_seconds = warm_up(model, list(heads.values()))
+    runners = build_methods(args, model, heads)
     questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
     warm = chat_prompt(tokenizer, ["Hello"])
     for run in runners.values():  # warm-up, outside the measurement

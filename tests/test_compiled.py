@@ -160,11 +160,32 @@ def test_a_package_that_does_not_load_is_compiled_again(package_cache):
     assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
 
 
-def test_the_header_build_process_runs_to_the_end_once_a_machine(monkeypatch, tmp_path):
+def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_path):
     # nothing waits on its success (inductor builds the headers itself when it fails), so only this sees it break
     monkeypatch.setattr(compiled, "default_cache_dir", lambda: str(tmp_path))  # where its marker goes
-    process = compiled._start_header_build(torch.device("cpu"))
+    process = compiled._start_helper(torch.device("cpu"))
     assert process is not None and process.wait(timeout=600) == 0
     assert compiled._headers_built_marker().exists()
-    assert compiled._start_header_build(torch.device("cpu")) is None  # built: no second process
-    assert compiled._start_header_build(torch.device("meta")) is None  # only CPU packages share those headers
+    assert compiled._start_helper(torch.device("cpu")) is None  # built, and no package to compile: no process
+    assert compiled._start_helper(torch.device("meta")) is None  # only CPU packages share those headers
+
+
+def test_a_heads_pass_compiles_in_the_helper_process_beside_the_targets(package_cache, monkeypatch):
+    model = compile_target(tiny_model("llama", seed=11))
+    torch.manual_seed(2)
+    head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
+    compiled_here = []
+    package = compiled._package
+    monkeypatch.setattr(
+        compiled, "_package", lambda program, path: compiled_here.append(path) or package(program, path)
+    )
+    assert warm_up(model, head, verbose=False) > 0
+    passes = compiled_heads.compiled_head(head, model)
+    assert compiled_here == [package_path(model)], "the head's package came from the other process"
+    assert passes.runner is not None and passes.path.exists() and is_compiled(model)
+    shapes = recorded_shapes(passes, monkeypatch)
+    prompt = random_prompts(model.config.vocab_size, 1, seed=8)[0]
+    out = generate(
+        model, head, prompt, max_new_tokens=NEW_TOKENS, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=6), fallback=False
+    )
+    assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS) and shapes, "it drafted through the package"
