@@ -14,10 +14,10 @@ cache length), so one compiled graph serves plain steps, trees and batches. An E
 committed tokens and each draft level) are compiled the same way (compiled_heads.py) when the target's are: 4.9 ms of
 drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
 decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (84 s for SmolLM2-135M's pass, 12 s for
-its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; on a fresh machine a second process builds
-the C++ headers every package shares meanwhile, 29 s less); the result is a package on disk (under
-SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set and the library versions), so a
-second process loads it in about 2 s. The prefill stays eager (one pass a prompt). A model that does not export or
+its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; a second process compiles the heads' packages
+meanwhile, and on a fresh machine first builds the C++ headers every package shares, 29 s less); the result is a
+package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set and the
+library versions), so a second process loads it in about 2 s. The prefill stays eager (one pass a prompt). A model that does not export or
 compile decodes eagerly, after one warning naming the reason.
 """
 
