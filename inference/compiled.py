@@ -13,12 +13,12 @@ hidden states and the new tokens' keys and values out), is exported with every s
 cache length), so one compiled graph serves plain steps, trees and batches. An EAGLE head's passes (over the
 committed tokens and each draft level) are compiled the same way (compiled_heads.py) when the target's are: 4.9 ms of
 drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (84 s for SmolLM2-135M's pass, 12 s for
+decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (94-112 s for SmolLM2-135M's pass, 12 s for
 its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; a second process compiles the heads' packages
 meanwhile, and on a fresh machine first builds the C++ headers every package shares, 29 s less); the result is a
 package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set and the
-library versions), so a second process loads it in about 2 s. The prefill stays eager (one pass a prompt). A model that does not export or
-compile decodes eagerly, after one warning naming the reason.
+library versions), so a second process loads it in about 2 s. The prefill stays eager (one pass a prompt). A model
+that does not export or compile decodes eagerly, after one warning naming the reason.
 """
 
 from __future__ import annotations
@@ -281,8 +281,8 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
                 saved = Path(scratch) / f"program{index}.pt2"
                 torch.export.save(other.export(), saved)
                 programs.append((saved, other.package_path()))
-            except COMPILE_ERRORS:
-                continue  # left to its own `ready`, which compiles it here or warns why it runs eagerly
+            except (*COMPILE_ERRORS, RuntimeError, OSError):
+                continue  # left to its own `ready`, which exports it again and compiles it here or says why not
         helper = _start_helper(next(passes.module.parameters()).device, programs)
         try:
             _package(passes.export(), path)
@@ -342,8 +342,8 @@ def _headers_built_marker() -> Path:
 
 
 def compile_tiny_package(built: str) -> None:
-    """Compile a one-layer package with the passes' options, then create the file `built` (what
-    helper process runs first on a fresh machine)."""
+    """Compile a one-layer package with the passes' options, then create the file `built` (what the
+    helper process runs first on a fresh machine: _start_helper)."""
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
     with torch.inference_mode():
         program = torch.export.export(module, (torch.zeros(2, 8),), strict=False)
@@ -396,8 +396,9 @@ def package_path(model) -> Path:
 def compile_target(model):
     """Decode `model` with compiled passes from now on (generate(), calibration); returns the model itself, whose
     own forward stays as it was (model.generate() and direct calls run eagerly). The package is compiled or loaded
-    on first use, or ahead of it with `inference.warm_up`. It holds the weights as they were then: a model whose weights
-    change afterwards needs compile_target on a fresh instance (its new weights get a package of their own)."""
+    on first use, or ahead of it with `inference.warm_up`. It holds the weights as they were then: a model whose
+    weights change afterwards needs compile_target on a fresh instance (its new weights get a package of their
+    own)."""
     if not hasattr(model, PASSES):
         setattr(model, PASSES, CompiledPasses(model))
     return model
