@@ -400,7 +400,7 @@ def retire(state: Decoding, going: list[int]) -> None:
         keep_rows(state.cache, to_device(going, state.cache.layers[0].keys.device))
         state.cache.crop(max(row.cached for row in _active(state)) - state.cache.get_seq_length())
         _timed(state, state.drafter.keep_rows, going)
-    else:  # every row finished: the prompts still waiting start afresh, with a new cache and drafter state
+    elif state.waiting:  # every row finished: the prompts waiting start afresh, with a new cache and drafter state
         state.drafter.reset(0)
 
 
