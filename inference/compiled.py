@@ -273,7 +273,6 @@ def _export(
 def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()) -> None:
     """Export the pass with every size dynamic and compile it into the package at `path` (atomically); the passes
     `alongside` are exported here and compiled into their own packages by a second process meanwhile."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         programs = []
         for index, other in enumerate(alongside):
@@ -429,10 +428,7 @@ def warm_up_passes(model, heads: list[CompiledPasses] = (), *, verbose: bool = T
     stderr when they compile; returns the seconds spent. When the target's pass compiles, a second process compiles
     the heads' meanwhile. A model not registered by compile_target is left alone."""
     passes = getattr(model, PASSES, None)
-    if passes is None:
-        return 0.0
-    pending = [p for p in (passes, *heads) if p.runner is None and p.failed is None]
-    if not pending:
+    if passes is None or all(p.runner is not None or p.failed is not None for p in (passes, *heads)):
         return 0.0
     started = time.perf_counter()
     passes.ready(verbose, alongside=list(heads))
