@@ -8,17 +8,18 @@ Why: an eager pass of SmolLM2-135M runs at a fraction of what the hardware allow
 53 ms and 25 ms, a one-token pass of 8 rows 48 ms and 25 ms. Nearly all of it is the weights: frozen into the
 compiled code (inductor's `freezing`), they are packed once for the CPU's matrix kernels.
 
-One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits,
-hidden states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens,
-cache length), so one compiled graph serves plain steps, trees and batches. An EAGLE head's passes (over the
-committed tokens and each draft level) are compiled the same way (compiled_heads.py) when the target's are: 4.9 ms of
-drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (94-112 s for SmolLM2-135M's pass, 12 s for
-its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; a second process compiles the heads' packages
-meanwhile, and on a fresh machine first builds the C++ headers every package shares, 29 s less); the result is a
-package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set and the
-library versions), so a second process loads it in about 2 s. The prefill stays eager (one pass a prompt). A model
-that does not export or compile decodes eagerly, after one warning naming the reason.
+One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits, hidden
+states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens, cache length),
+so one compiled graph serves plain steps, trees, batches and prompts (the logits of their last tokens only). An
+EAGLE head's passes (over the committed tokens and each draft level) are compiled the same way (compiled_heads.py)
+when the target's are: 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from
+1.01x to 1.10x plain decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (94-112 s for
+SmolLM2-135M's pass, 12 s for its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; a second process
+compiles the heads' packages meanwhile, and on a fresh machine first builds the C++ headers every package shares, 29
+s less); the result is a package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's
+instruction set and the library versions), so a second process loads it in about 2 s. A prompt longer than
+COMPILED_PREFILL_TOKENS is prefilled eagerly. A model that does not export or compile decodes eagerly, after one
+warning naming the reason.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from heads.attention import grouped_attention
+from heads.eagle import causal_mask
 
 from .cache import position_cache
 from .target import cache_root
 
-FORMAT = 3  # the passes' inputs and outputs; bump it when they change, so that older packages are not loaded
+FORMAT = 4  # the passes' inputs and outputs; bump it when they change, so that older packages are not loaded
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
 # 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass. Linear layers reading the
 # same input (queries, keys and values; gate and up) as one matrix product: 2 kernel calls a layer fewer, a bfloat16
@@ -56,7 +58,11 @@ INDUCTOR_OPTIONS = {
 }
 PASSES = "_specheads_compiled_passes"  # the module's attribute holding its compiled passes (they live and die together)
 # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
-EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY = 2, 3, 5, 9
+EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS = 2, 3, 5, 9, 2
+# prompts up to this long are prefilled through the package too (one prompt, bfloat16, 2-core EPYC: 16 / 64 / 256 /
+# 1,024 tokens 2.3x / 1.6x / 1.1x / 1.06x faster than eager); longer ones run eagerly, where the model's own causal
+# attention needs no mask (the package's holds the prompt's length squared) and gains as much
+COMPILED_PREFILL_TOKENS = 1024
 COMPILE_ERRORS = (
     torch._dynamo.exc.TorchDynamoException,
     torch._inductor.exc.InductorError,
@@ -68,14 +74,22 @@ class DecodingPass(torch.nn.Module):
     """One decoding pass of `model` with its cache as plain tensors, the form torch.export takes: key_stores[i] and
     value_stores[i] [rows, kv_heads, capacity, head_dim] for layer i, whose first entries are the cached ones (as
     many as the mask's keys less the new tokens; the rest is room the caller's buffer keeps for later). Returns the
-    logits, every layer's hidden states and the new tokens' keys and values, which the caller writes into its cache."""
+    logits at `logits_positions` (the new tokens' indices: all of them to verify a tree, the last ones to prefill
+    prompts), every layer's hidden states and the new tokens' keys and values, which the caller writes into its
+    cache."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
 
     def forward(
-        self, input_ids, position_ids, attention_mask, key_stores: list[torch.Tensor], value_stores: list[torch.Tensor]
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        logits_positions,
+        key_stores: list[torch.Tensor],
+        value_stores: list[torch.Tensor],
     ):
         cache = _stored_cache(key_stores, value_stores, attention_mask.shape[-1] - input_ids.shape[1])
         out = self.model(
@@ -85,6 +99,7 @@ class DecodingPass(torch.nn.Module):
             cache=cache,
             use_cache=True,
             output_hidden_states=True,
+            logits_to_keep=logits_positions,
         )
         return out.logits, tuple(out.hidden_states), *_new_entries(cache, input_ids.shape[1])
 
@@ -138,34 +153,66 @@ class CompiledPasses:
         self.path: Path | None = None  # the package, once loaded
         self.failed: str | None = None
         self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
+        self.cache_shapes: list[tuple[int, int]] | None = None  # read when a prompt's pass first needs them
         self._lock = threading.Lock()  # one thread compiles; the others wait for its package
 
-    def __call__(self, *, input_ids, cache, position_ids=None, attention_mask=None, **unused):
+    def __call__(self, *, input_ids, cache, position_ids=None, attention_mask=None, logits_to_keep=None, **unused):
         model = self.module
+        rows, new = input_ids.shape
+        prefill = cache.get_seq_length() == 0
+        if prefill and attention_mask is None and position_ids is not None and new <= COMPILED_PREFILL_TOKENS:
+            attention_mask = causal_mask(new, 0, model.dtype, input_ids.device).expand(rows, -1, -1, -1)
         full_inputs = (
             position_ids is not None
             and attention_mask is not None
             and attention_mask.dim() == 4
             and attention_mask.dtype == model.dtype
+            and (new <= COMPILED_PREFILL_TOKENS or not prefill)
         )
-        if not (full_inputs and cache.get_seq_length() > 0 and self.ready()):
-            # the package takes a decoding pass's inputs as generate() gives them (an additive 4D mask, a filled
-            # cache); anything else runs eagerly
+        if not (full_inputs and self.ready()):
+            # the package takes a pass's inputs as generate() gives them (an additive 4D mask, positions); anything
+            # else, and a long prompt (whose mask would hold its length squared), runs eagerly
+            keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
             return model(
-                input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=attention_mask, **unused
+                input_ids=input_ids,
+                cache=cache,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                **keep,
+                **unused,
             )
-        logits, hidden_states = self._run_with_cache(cache, [input_ids, position_ids, attention_mask])
+        logits, hidden_states = self._run_with_cache(
+            cache, [input_ids, position_ids, attention_mask, logits_positions(logits_to_keep, new, input_ids.device)]
+        )
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
 
     def _run_with_cache(self, cache, inputs: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> list:
         """The package's outputs for (inputs, each layer's cache entries, extra); the new entries go into the cache."""
-        keys, values = zip(*(_stores(layer) for layer in cache.layers))
+        if cache.get_seq_length() == 0:  # a prompt's pass: empty stores, shaped as the model's cache
+            rows, device = inputs[0].shape[0], inputs[0].device
+            if self.cache_shapes is None:
+                self.cache_shapes = self.read_cache_shapes()
+            keys = values = [
+                torch.empty(rows, heads, 0, dim, dtype=self.dtype, device=device) for heads, dim in self.cache_shapes
+            ]
+        else:
+            keys, values = zip(*(_stores(layer) for layer in cache.layers))
         *outputs, new_keys, new_values = self.runner(
             *[x.contiguous() for x in inputs], list(keys), list(values), *[x.contiguous() for x in extra]
         )
         for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
             layer.update(k, v)
         return outputs
+
+    def read_cache_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) of each layer's cache entries."""
+        model = self.module
+        one = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+        return _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
 
     def ready(self, verbose: bool = True, alongside: list[CompiledPasses] = ()) -> bool:
         """Load or compile the package if that was not done yet; False when compiling failed (decode eagerly). If
@@ -192,16 +239,16 @@ class CompiledPasses:
     def export(self):
         """The pass as torch.export's program, every size dynamic."""
         model = self.module
-        one = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # a one-token pass shows the cache's shapes
-        shapes = _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
+        self.cache_shapes = shapes = self.read_cache_shapes()
         rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
         example = (
             torch.zeros(rows, tokens, dtype=torch.long, device=model.device),
             (torch.arange(tokens, device=model.device) + cached).expand(rows, -1).contiguous(),
             torch.zeros(rows, 1, tokens, cached + tokens, dtype=model.dtype, device=model.device),
+            torch.arange(EXAMPLE_LOGITS, device=model.device),  # fewer than the tokens: no size shared by chance
         )
         auto = torch.export.Dim.AUTO
-        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
+        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto}, {0: auto})
         with grouped_attention(model):  # the attention generate() decodes with
             return _export(DecodingPass(model), example, dynamic, shapes, model.dtype, model.device)
 
@@ -245,6 +292,14 @@ class CompiledPasses:
         """Run eagerly from now on, after one warning naming the reason."""
         self.failed = reason
         warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
+
+
+def logits_positions(logits_to_keep, new: int, device) -> torch.Tensor:
+    """The indices of the new tokens whose logits a pass computes, from a model's `logits_to_keep` (None or 0:
+    all of them; an int k: the last k; a 1-D tensor: these)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits_to_keep
+    return torch.arange(new - (logits_to_keep or new), new, device=device)
 
 
 def _first_line(error: Exception) -> str:

@@ -204,7 +204,8 @@ def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dty
 def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
     """Every prompt through the target, in groups of similar lengths (prefill_groups): returns the batch's cache
     (row b's prompt in entries [0, len_b)), each prompt's last logits [B, V], and each row's hidden states at the
-    drafter's layers ({layer: [len_b, H]}). Eager: every prompt's length differs, and it is one pass a prompt."""
+    drafter's layers ({layer: [len_b, H]}). Through the compiled package when the model has one (prompts up to
+    inference.compiled.COMPILED_PREFILL_TOKENS long), computing the logits of each prompt's last token only."""
     layers = drafter.hidden_layers
     lengths = [p.shape[0] for p in prompts]
     width, count = max(lengths), len(prompts)
@@ -216,7 +217,7 @@ def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
         ends = to_device([lengths[row] - 1 for row in group], ids.device)
         last = to_device(sorted({lengths[row] - 1 for row in group}), ids.device)  # only these logits are computed
         group_cache = new_cache(model)
-        out = model(
+        out = decoding_pass(model)(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,

@@ -23,6 +23,7 @@ from inference import (
     warm_up,
 )
 from inference.compiled import decoding_pass, is_compiled, package_path
+from inference.padding import prefill_groups
 from inference.tree_size import default_accuracy
 from test_early_exit import early_exit
 from test_exactness_tiny import random_prompts
@@ -85,6 +86,8 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
             assert out.token_ids == reference, (name, prompt.tolist())
     widths = {tokens for _, tokens in shapes}
     assert 1 in widths and max(widths) > 10, "plain steps and wide trees both ran through the compiled pass"
+    prompts = {len(prompt) for prompt in random_prompts(model.config.vocab_size, 6, seed=3)}
+    assert prompts <= widths, "every prompt was prefilled through the compiled pass"
     for head, calls in head_shapes.items():  # committed tokens read (1 a step or more) and draft levels (top_k wide)
         assert {shape[1] for shape in calls} >= {1, 3 if head is eagle else 2}, calls
 
@@ -104,6 +107,20 @@ def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):
     )
     assert [o.token_ids for o in outs] == references
     assert {rows for rows, _ in shapes} >= {3, 1}, "batches of several rows and of one ran through the one package"
+    lengths = [len(p) for p in prompts[:3]]
+    groups = [(len(group), max(lengths[row] for row in group)) for group in prefill_groups(lengths)]
+    assert shapes[: len(groups)] == groups and max(groups)[0] > 1, "the first prompts prefilled there, padded"
+
+
+def test_a_prompt_longer_than_the_compiled_prefill_takes_is_prefilled_eagerly(compiled_llama, monkeypatch):
+    model = compiled_llama
+    monkeypatch.setattr(compiled, "COMPILED_PREFILL_TOKENS", 8)
+    shapes = recorded_shapes(decoding_pass(model), monkeypatch)
+    short, long = torch.arange(4, 10), torch.arange(4, 30)
+    for prompt in (short, long):
+        out = generate(model, None, prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    assert (1, 6) in shapes and (1, 26) not in shapes
 
 
 def test_a_second_instance_of_the_same_weights_loads_the_package(compiled_llama, monkeypatch):
