@@ -141,14 +141,16 @@ class EagleHead(nn.Module):
             )
         return DraftVocabulary(lm_head, self.draft_ids)
 
-    def fuse_features(self, feature: torch.Tensor) -> torch.Tensor:
-        """The target's hidden states at `config.feature_layers`, concatenated [..., n * H] -> one feature [..., H]."""
+    def fuse_features(self, feature: torch.Tensor, fuse=None) -> torch.Tensor:
+        """The target's hidden states at `config.feature_layers`, concatenated [..., n * H] -> one feature [..., H].
+        `fuse`: what computes `self.fuse`'s product instead of it (a drafter's packed copy: inference.packed)."""
         if self.fuse is None:
             return feature
+        fuse = fuse or self.fuse
         if self.feature_norms is None:
-            return self.fuse(feature)
+            return fuse(feature)
         layers = feature.split(self.config.hidden_size, dim=-1)
-        return self.fuse(torch.cat([norm(layer) for norm, layer in zip(self.feature_norms, layers)], dim=-1))
+        return fuse(torch.cat([norm(layer) for norm, layer in zip(self.feature_norms, layers)], dim=-1))
 
     def forward(
         self,

@@ -42,6 +42,8 @@ class DraftVocabulary:
         self.base_size = weight.shape[0]  # rows past it were added (with_rows)
         # a reduced vocabulary over the target's own rows can take any target token back; a head's own rows cannot
         self._target_rows = None if own_rows or draft_ids is None else (lm_head.weight, getattr(lm_head, "bias", None))
+        # the base rows' product, when a drafter gives a faster one (inference.packed: their weights packed once)
+        self.base_projection = None
 
     @property
     def extensible(self) -> bool:
@@ -67,7 +69,15 @@ class DraftVocabulary:
         """[..., H] -> [..., N] over the draft vocabulary."""
         if self.norm is not None:
             features = self.norm(features)
-        return F.linear(features.to(self.weight.dtype), self.weight, self.bias)
+        features = features.to(self.weight.dtype)
+        if self.base_projection is None:
+            return F.linear(features, self.weight, self.bias)
+        base = self.base_projection(features)
+        if self.weight.shape[0] == self.base_size:
+            return base
+        added = slice(self.base_size, None)  # rows added by with_rows
+        bias = None if self.bias is None else self.bias[added]
+        return torch.cat([base, F.linear(features, self.weight[added], bias)], dim=-1)
 
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> the target's token ids."""

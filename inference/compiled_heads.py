@@ -27,6 +27,7 @@ from .compiled import (
     package_key,
     warm_up_passes,
 )
+from .packed import packed_linear
 from .target import cache_root
 
 
@@ -59,11 +60,14 @@ class CompiledHead(CompiledPasses):
     and over each draft level (a 2 ms eager pass of one decoder layer, mostly overhead between small kernels)."""
 
     what, takes = "the EAGLE head's pass", "about 15 s"
+    fuse = None  # the head's feature fusion, its weight packed (inference.packed) at its first use
 
     def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
         head = self.module
-        if feature.shape[-1] != head.config.hidden_size:
-            feature = head.fuse_features(feature)  # the package takes the fused feature
+        if feature.shape[-1] != head.config.hidden_size:  # the package takes the fused feature
+            if self.fuse is None and head.fuse is not None:
+                self.fuse = packed_linear(head.fuse.weight, head.fuse.bias)
+            feature = head.fuse_features(feature, self.fuse)
         past = cache.get_seq_length() if cache is not None else 0
         if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
             return head(

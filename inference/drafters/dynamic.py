@@ -13,6 +13,7 @@ from heads import DraftVocabulary
 
 from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
+from ..packed import packed_linear
 from ..padding import prefill_groups, right_padded_mask
 from ..transfer import read_together, to_device
 from ..tree import (
@@ -82,6 +83,7 @@ class DynamicTreeDrafter(Drafter):
             raise TreeError(
                 f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}"
             )
+        vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept

@@ -1,0 +1,34 @@
+"""Linear layers run eagerly beside the compiled passes, their weights packed once for the CPU's matrix kernels.
+
+The drafters' few eager projections (a head's draft vocabulary, an EAGLE head's feature fusion) run every draft
+level. Through `F.linear` a weight is handed to the kernels as it is, every call; packed once into oneDNN's blocked
+layout (what inductor does to a compiled graph's frozen weights), the same products take a third of the time
+(8,192 x 576, one row, 2-core AMD EPYC: bfloat16 296 -> 100 µs, identical without a bias; float32 4.2 -> 0.5 ms,
+equal up to the order of the sums). Packing takes about 4 ms (the first in a process about 100 ms more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed for the CPU's oneDNN kernels here (bfloat16 only where the CPU computes it)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> F.linear(x, weight, bias)` over the weight as it is now, packed where the CPU allows (else F.linear)."""
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
+    if not packs(weight):
+        return lambda x: F.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
