@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers import DynamicCache
 
 NEAR_TIE_STEPS = 3  # rounding steps of the model's dtype within which two top logits count as tied
 
@@ -20,15 +21,39 @@ def rounding_step(value: float, dtype: torch.dtype) -> float:
 
 
 @torch.inference_mode()
-def near_tie(model, context: list[int], ours: int, theirs: int, steps: float = NEAR_TIE_STEPS) -> tuple[bool, float]:
+def near_tie(
+    model,
+    context: list[int],
+    ours: int,
+    theirs: int,
+    steps: float = NEAR_TIE_STEPS,
+    prompt_length: int | None = None,
+) -> tuple[bool, float]:
     """(both tokens are within `steps` rounding steps of the target's top logit after `context`; the larger
     of their two distances from it, in steps).
 
     Within a few rounding steps of the top, either token is a valid greedy choice of a bf16 model: a pass
     that rounds differently may put either first. Measured against the top rather than against each other,
     so that a three-way tie (common in bf16) is a tie too.
+
+    First in one pass over the whole context (teacher-forced). That pass rounds unlike the prefill and one-token
+    steps that `generate()` took, by several steps at times: two tokens exactly tied in generate()'s own logits
+    were 4 steps apart in it (SmolLM2-135M, bf16, 150 tokens). So when it finds no tie and `prompt_length` is
+    given, the logits are computed again as generate() computes them, the first `prompt_length` tokens in one
+    pass and the rest one at a time, and those decide.
     """
-    logits = model(torch.tensor([context], device=model.device)).logits[0, -1]
+    tie, gap = _gap(model(torch.tensor([context], device=model.device)).logits[0, -1], ours, theirs, steps)
+    if tie or prompt_length is None or prompt_length >= len(context):
+        return tie, gap
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([context], device=model.device)
+    logits = model(ids[:, :prompt_length], cache=cache, use_cache=True).logits
+    for at in range(prompt_length, len(context)):
+        logits = model(ids[:, at : at + 1], cache=cache, use_cache=True).logits
+    return _gap(logits[0, -1], ours, theirs, steps)
+
+
+def _gap(logits: torch.Tensor, ours: int, theirs: int, steps: float) -> tuple[bool, float]:
     step = rounding_step(float(logits.float().abs().max()), logits.dtype)
     logits = logits.float()
     top = float(logits.max())

@@ -177,7 +177,8 @@ def divergence(model, prompt, ours, baseline):
     position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), min(len(ours), len(baseline)))
     if position >= min(len(ours), len(baseline)):  # one stopped early: not a token-choice divergence
         return {"position": position, "near_tie": False, "steps": None}
-    tie, steps = near_tie(model, prompt.tolist() + baseline[:position], ours[position], baseline[position])
+    context = prompt.tolist() + baseline[:position]
+    tie, steps = near_tie(model, context, ours[position], baseline[position], prompt_length=len(prompt))
     return {"position": position, "near_tie": tie, "steps": steps}
 
 

@@ -14,7 +14,7 @@ from inference import (
     generate,
     medusa_tree_spec,
 )
-from inference.numerics import near_tie
+from inference.numerics import near_tie, rounding_step
 from inference.tree_size import PassCost, default_accuracy
 
 PROMPTS = 50
@@ -193,3 +193,26 @@ def test_stats_and_streamer():
 
 def plain_mean_accepted(model, prompt):
     return generate(model, None, prompt, max_new_tokens=10).stats.mean_accepted
+
+
+def test_a_near_tie_refuted_by_one_pass_is_checked_again_on_generates_own_logits():
+    """A teacher-forced pass rounds unlike generate()'s prefill and one-token steps (in bf16 by several steps);
+    given the prompt's length, near_tie measures the gap in the very logits generate() computed."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    prompt = torch.arange(4, 20)
+    out = model.generate(
+        prompt[None], do_sample=False, max_new_tokens=30, output_logits=True, return_dict_in_generate=True
+    )
+    context = out.sequences[0, :-1].tolist()  # the prompt and 29 new tokens: the 30th step's logits decide
+    logits = out.logits[-1][0].float()
+    with torch.inference_mode():
+        forced = model(torch.tensor([context])).logits[0, -1].float()
+    top = int(logits.argmax())
+    assert top == int(forced.argmax())
+    step = rounding_step(float(logits.abs().max()), torch.bfloat16)
+    apart = (logits[top] - logits) / step  # each token's distance from the top in generate()'s logits, in steps
+    rounded_apart = ((forced[top] - forced) / step - apart).abs()
+    token = int(torch.where(apart > 10, rounded_apart, 0).argmax())  # far from a tie, and rounded otherwise there
+    assert rounded_apart[token] > 0, "the teacher-forced pass rounds unlike generate() somewhere"
+    assert near_tie(model, context, token, top, prompt_length=len(prompt)) == (False, float(apart[token]))
+    assert near_tie(model, context, token, top)[1] != float(apart[token])
