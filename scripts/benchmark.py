@@ -173,7 +173,8 @@ def build_methods(args, model, heads: dict):
 
 def divergence(model, prompt, ours, baseline):
     """Where `ours` first departs from the baseline, and whether the target itself has a near-tie there
-    (inference.numerics: teacher-forced on the shared prefix, both tokens within a few rounding steps of the top)."""
+    (inference.numerics: both tokens within a few rounding steps of the top, teacher-forced on the shared prefix or,
+    where that finds no tie, in the logits generate() computed itself)."""
     position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), min(len(ours), len(baseline)))
     if position >= min(len(ours), len(baseline)):  # one stopped early: not a token-choice divergence
         return {"position": position, "near_tie": False, "steps": None}
@@ -272,8 +273,9 @@ def divergence_note(overall, methods) -> str:
         )
     return (
         (
-            f"\nDivergences (teacher-forced logit gap at the first differing token; a near-tie: both tokens within "
-            f"{NEAR_TIE_STEPS} rounding steps of the top logit):\n\n" + "\n".join(lines) + "\n"
+            f"\nDivergences (logit gap at the first differing token, teacher-forced, or where that finds no tie in "
+            f"the logits HF generate() computed itself; a near-tie: both tokens within {NEAR_TIE_STEPS} rounding steps "
+            f"of the top logit):\n\n" + "\n".join(lines) + "\n"
         )
         if lines
         else ""
