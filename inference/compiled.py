@@ -160,14 +160,11 @@ class CompiledPasses:
         model = self.module
         rows, new = input_ids.shape
         prefill = cache.get_seq_length() == 0
-        if prefill and attention_mask is None and position_ids is not None and new <= COMPILED_PREFILL_TOKENS:
+        fits = position_ids is not None and (new <= COMPILED_PREFILL_TOKENS or not prefill)
+        if fits and prefill and attention_mask is None and self.ready():  # eagerly, the model's own causal mask
             attention_mask = causal_mask(new, 0, model.dtype, input_ids.device).expand(rows, -1, -1, -1)
         full_inputs = (
-            position_ids is not None
-            and attention_mask is not None
-            and attention_mask.dim() == 4
-            and attention_mask.dtype == model.dtype
-            and (new <= COMPILED_PREFILL_TOKENS or not prefill)
+            fits and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.dtype == model.dtype
         )
         if not (full_inputs and self.ready()):
             # the package takes a pass's inputs as generate() gives them (an additive 4D mask, positions); anything
