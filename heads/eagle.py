@@ -146,7 +146,7 @@ class EagleHead(nn.Module):
         `fuse`: what computes `self.fuse`'s product instead of it (a drafter's packed copy: inference.packed)."""
         if self.fuse is None:
             return feature
-        fuse = fuse or self.fuse
+        fuse = self.fuse if fuse is None else fuse
         if self.feature_norms is None:
             return fuse(feature)
         layers = feature.split(self.config.hidden_size, dim=-1)

@@ -185,12 +185,13 @@ class CompiledPasses:
 
     def _run_with_cache(self, cache, inputs: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> list:
         """The package's outputs for (inputs, each layer's cache entries, extra); the new entries go into the cache."""
-        if cache.get_seq_length() == 0:  # a prompt's pass: empty stores, shaped as the model's cache
+        if cache.get_seq_length() == 0:  # a prompt's pass (the target's only): empty stores shaped as its cache
             rows, device = inputs[0].shape[0], inputs[0].device
             if self.cache_shapes is None:
                 self.cache_shapes = self.read_cache_shapes()
             keys = values = [
-                torch.empty(rows, heads, 0, dim, dtype=self.dtype, device=device) for heads, dim in self.cache_shapes
+                torch.empty(rows, heads, 0, dim, dtype=self.module.dtype, device=device)
+                for heads, dim in self.cache_shapes
             ]
         else:
             keys, values = zip(*(_stores(layer) for layer in cache.layers))
@@ -206,10 +207,6 @@ class CompiledPasses:
         model = self.module
         one = torch.zeros(1, 1, dtype=torch.long, device=model.device)
         return _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.module.parameters()).dtype
 
     def ready(self, verbose: bool = True, alongside: list[CompiledPasses] = ()) -> bool:
         """Load or compile the package if that was not done yet; False when compiling failed (decode eagerly). If
