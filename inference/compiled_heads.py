@@ -18,6 +18,7 @@ from .compiled import (
     EXAMPLE_ROWS,
     EXAMPLE_TOKENS,
     PASSES,
+    ROWS,
     CompiledPasses,
     _cache_shapes,
     _export,
@@ -107,8 +108,8 @@ class CompiledHead(CompiledPasses):
             torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
         )
         auto = torch.export.Dim.AUTO
-        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
-        extra = ((inputs.clone(),), ({0: auto, 1: auto},)) if head.config.copy_input else ((), ())
+        dynamic = ({0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 2: auto, 3: auto})
+        extra = ((inputs.clone(),), ({0: ROWS, 1: auto},)) if head.config.copy_input else ((), ())
         return _export(HeadPass(head), example, dynamic, shapes, dtype, device, *extra)
 
 
@@ -165,7 +166,7 @@ class CompiledEarlyExit(CompiledPasses):
             torch.zeros(rows, 1, tokens, cached + tokens, dtype=dtype, device=device),
         )
         auto = torch.export.Dim.AUTO
-        dynamic = ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto, 2: auto, 3: auto})
+        dynamic = ({0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 2: auto, 3: auto})
         return _export(ExitPass(head), example, dynamic, shapes, dtype, device)
 
 
