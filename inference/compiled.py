@@ -46,7 +46,7 @@ from heads.eagle import causal_mask
 from .cache import position_cache
 from .target import cache_root
 
-FORMAT = 4  # the passes' inputs and outputs; bump it when they change, so that older packages are not loaded
+FORMAT = 5  # the passes' inputs, outputs and their sizes; bump it when they change, so that older packages are not loaded
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
 # 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass. Linear layers reading the
 # same input (queries, keys and values; gate and up) as one matrix product: 2 kernel calls a layer fewer, a bfloat16
