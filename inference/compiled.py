@@ -46,7 +46,7 @@ from heads.eagle import causal_mask
 from .cache import position_cache
 from .target import cache_root
 
-FORMAT = 5  # the passes' inputs, outputs and their sizes; bump it when they change, so that older packages are not loaded
+FORMAT = 5  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
 # 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass. Linear layers reading the
 # same input (queries, keys and values; gate and up) as one matrix product: 2 kernel calls a layer fewer, a bfloat16
@@ -56,6 +56,15 @@ INDUCTOR_OPTIONS = {
     "aot_inductor.compile_wrapper_opt_level": "O0",
     "cpp.enable_concat_linear": True,
 }
+# On a CPU, a pass of at most NARROW_TOKENS tokens in all (rows x tokens: a plain step, a small tree) runs through a
+# second package whose matrix products are inductor's own C++ GEMM template instead of oneDNN's (max_autotune with
+# the CPP backend alone: one candidate a product, so nothing is benchmarked). For a few rows it reads the weights at
+# nearly the memory's pace, where oneDNN's kernels read them at half of it: SmolLM2-135M in bfloat16, 300 tokens
+# cached, 2-core EPYC, one token 12.4-12.6 ms against 17.3-23.0, four tokens 13.4-15.9 against 15.1-17.5; past
+# that the template falls far behind (nine tokens 52-56 ms against 19-24), so wider passes keep oneDNN's package.
+# The template is generated for a fixed number of threads: those of the process that compiles it.
+NARROW_TOKENS = 4
+NARROW_OPTIONS = {**INDUCTOR_OPTIONS, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 PASSES = "_specheads_compiled_passes"  # the module's attribute holding its compiled passes (they live and die together)
 # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
 EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS = 2, 3, 5, 9, 2
@@ -150,11 +159,13 @@ class CompiledPasses:
     and a filled cache), through the compiled package; compiles or loads it on first use. Falls back to the eager
     model, once and with a warning, if exporting or compiling fails."""
 
-    what, takes = "the target's decoding pass", "a minute or two"  # for the progress line
+    what, takes = "the target's decoding pass", "two or three minutes"  # for the progress line
+    narrow_passes = True  # a second package for passes of at most NARROW_TOKENS tokens, on a CPU
 
     def __init__(self, module):
         self.module = module
         self.runner = None
+        self.narrow_runner = None  # the narrow passes' package, where there is one
         self.path: Path | None = None  # the package, once loaded
         self.failed: str | None = None
         self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
@@ -200,7 +211,8 @@ class CompiledPasses:
             ]
         else:
             keys, values = zip(*(_stores(layer) for layer in cache.layers))
-        *outputs, new_keys, new_values = self.runner(
+        narrow = self.narrow_runner is not None and inputs[0].shape[0] * inputs[0].shape[1] <= NARROW_TOKENS
+        *outputs, new_keys, new_values = (self.narrow_runner if narrow else self.runner)(
             *[x.contiguous() for x in inputs], list(keys), list(values), *[x.contiguous() for x in extra]
         )
         for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
@@ -235,6 +247,15 @@ class CompiledPasses:
             )
         )
 
+    def narrow_package_path(self) -> Path | None:
+        """Where the narrow passes' package goes (keyed by this process's threads too, which its products are
+        generated for), or None where there is none: not on a CPU."""
+        module = self.module
+        if not self.narrow_passes or next(module.parameters()).device.type != "cpu":
+            return None
+        key = package_key(module, repr((NARROW_OPTIONS, torch.get_num_threads())))
+        return self.package_path().with_name(f"{self.package_path().stem}-narrow-{key}.pt2")
+
     def export(self):
         """The pass as torch.export's program, every size dynamic."""
         model = self.module
@@ -253,9 +274,9 @@ class CompiledPasses:
 
     def _prepare(self, verbose: bool, alongside: list[CompiledPasses] = ()) -> None:
         started = time.perf_counter()
-        path = self.package_path()
-        compiling = not path.exists()
-        if compiling:
+        path, narrow = self.package_path(), self.narrow_package_path()
+        compiled_here = not path.exists()
+        if compiled_here or (narrow is not None and not narrow.exists()):
             alongside = [
                 p for p in alongside if p.runner is None and p.failed is None and not p.package_path().exists()
             ]
@@ -277,7 +298,7 @@ class CompiledPasses:
             self.runner = torch._inductor.aoti_load_package(str(path))
         except RuntimeError as error:
             path.unlink(missing_ok=True)
-            if compiling:  # just compiled and still unloadable: decode eagerly
+            if compiled_here:  # just compiled and still unloadable: decode eagerly
                 return self._fail(f"the compiled package does not load: {_first_line(error)}")
             # a package this machine cannot load (copied from another, say): compiled anew
             warnings.warn(
@@ -285,12 +306,29 @@ class CompiledPasses:
             )
             return self._prepare(verbose)
         self.path = path
+        if narrow is not None:
+            self.narrow_runner = _load_narrow(narrow)
         self.compile_seconds = time.perf_counter() - started
 
     def _fail(self, reason: str) -> None:
         """Run eagerly from now on, after one warning naming the reason."""
         self.failed = reason
         warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
+
+
+def _load_narrow(path: Path):
+    """The narrow passes' package, or None (after a warning: the wide package serves every pass) when it was not
+    compiled or does not load."""
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    except (RuntimeError, OSError) as error:
+        path.unlink(missing_ok=True)
+        warnings.warn(
+            f"the package for passes of up to {NARROW_TOKENS} tokens ({path}) is missing or does not load "
+            f"({_first_line(error)}); those passes run through the other package, more slowly",
+            stacklevel=5,
+        )
+        return None
 
 
 def logits_positions(logits_to_keep, new: int, device) -> torch.Tensor:
@@ -324,52 +362,61 @@ def _export(
 
 
 def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()) -> None:
-    """Export the pass with every size dynamic and compile it into the package at `path` (atomically); the passes
-    `alongside` are exported here and compiled into their own packages by a second process meanwhile."""
+    """Export the pass with every size dynamic and compile it into the package at `path` and, on a CPU, the narrow
+    passes' package (atomically, each one missing); then the passes `alongside` (a head's) into theirs. A second
+    process compiles the narrow package meanwhile, from the same program: the longest of the compiles."""
+    narrow = passes.narrow_package_path()
     with tempfile.TemporaryDirectory() as scratch:
-        programs = []
-        for index, other in enumerate(alongside):
-            try:
-                saved = Path(scratch) / f"program{index}.pt2"
-                torch.export.save(other.export(), saved)
-                programs.append((saved, other.package_path()))
-            except (*COMPILE_ERRORS, RuntimeError, OSError):
-                continue  # left to its own `ready`, which exports it again and compiles it here or says why not
-        helper = _start_helper(next(passes.module.parameters()).device, programs)
+        program = passes.export()
+        jobs = []
+        if narrow is not None and not narrow.exists():
+            saved = Path(scratch) / "narrow.pt2"
+            torch.export.save(program, saved)
+            jobs.append((saved, narrow, torch.get_num_threads()))
+        helper = _start_helper(next(passes.module.parameters()).device, jobs)
         try:
-            _package(passes.export(), path)
+            if not path.exists():
+                _package(program, path)
+            for other in alongside:
+                try:
+                    _package(other.export(), other.package_path())
+                except COMPILE_ERRORS:
+                    continue  # left to its own `ready`, which says why
         finally:
             if helper is not None:
                 helper.wait()  # never left half-written: a later compile would take a truncated header as built
 
 
-def _package(program, path: Path) -> None:
-    """Compile an exported program into the package at `path`, atomically."""
+def _package(program, path: Path, narrow_threads: int | None = None) -> None:
+    """Compile an exported program into the package at `path`, atomically: with INDUCTOR_OPTIONS, or for narrow
+    passes on `narrow_threads` threads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.stem}.tmp{os.getpid()}.pt2")  # the package's name must end in .pt2
+    options = INDUCTOR_OPTIONS if narrow_threads is None else {**NARROW_OPTIONS, "cpp.threads": narrow_threads}
     try:
         with torch.no_grad():  # inductor freezes the weights only with gradients off
             torch._inductor.aoti_compile_and_package(
-                program, package_path=str(staging), inductor_configs=dict(INDUCTOR_OPTIONS)
+                program, package_path=str(staging), inductor_configs=dict(options)
             )  # (it adds keys to it)
         os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)
 
 
-def _start_helper(device: torch.device, programs: list[tuple[Path, Path]] = ()) -> subprocess.Popen | None:
+def _start_helper(device: torch.device, programs: list[tuple[Path, Path, int | None]] = ()) -> subprocess.Popen | None:
     """On a CPU, start a second process for the work that can run beside this one's compile, on the other core:
     first, once a machine, it compiles a tiny package with the same options, which builds what every package shares
     and inductor keeps on disk (the precompiled C++ headers of the wrapper and of the kernels, the instruction-set
     probe): on a fresh machine about 30 s of g++ (2-core EPYC) that inductor would otherwise run after the
-    lowering, one step after another. Then it compiles each (saved program, package path) of `programs`: a
-    head's pass while this process compiles the target's. None when there is nothing to do. Nothing depends on it:
-    a header or a package it did not build is built by the process that needs it."""
+    lowering, one step after another. Then it compiles each (saved program, package path, narrow threads) of
+    `programs` (_package): the narrow passes' package while this process compiles the target's other one. None
+    when there is nothing to do. Nothing depends on it: a header it did not build is built by the process that
+    needs it, and without the narrow package every pass runs through the other."""
     build_headers = torch._inductor.config.aot_inductor.precompile_headers and not _headers_built_marker().exists()
     if device.type != "cpu" or not (build_headers or programs):
         return None
     built = str(_headers_built_marker()) if build_headers else None
-    jobs = [(str(saved), str(package)) for saved, package in programs]
+    jobs = [(str(saved), str(package), threads) for saved, package, threads in programs]
     code = f"from inference.compiled import run_helper; run_helper({built!r}, {jobs!r})"
     package_root = str(Path(__file__).resolve().parents[1])  # where `inference` imports from
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -377,13 +424,13 @@ def _start_helper(device: torch.device, programs: list[tuple[Path, Path]] = ()) 
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def run_helper(built: str | None, programs: list[tuple[str, str]]) -> None:
+def run_helper(built: str | None, programs: list[tuple[str, str, int | None]]) -> None:
     """What _start_helper's process runs: the shared headers (when `built`, the marker to create, is given), then
     each saved program compiled into its package."""
     if built is not None:
         compile_tiny_package(built)
-    for saved, package in programs:
-        _package(torch.export.load(saved), Path(package))
+    for saved, package, narrow_threads in programs:
+        _package(torch.export.load(saved), Path(package), narrow_threads)
 
 
 def _headers_built_marker() -> Path:

@@ -61,6 +61,7 @@ class CompiledHead(CompiledPasses):
     and over each draft level (a 2 ms eager pass of one decoder layer, mostly overhead between small kernels)."""
 
     what, takes = "the EAGLE head's pass", "about 15 s"
+    narrow_passes = False  # one layer's weights: the CPU's caches hold them
     fuse = None  # the head's feature fusion, its weight packed (inference.packed) at its first use
 
     def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
@@ -136,6 +137,7 @@ class CompiledEarlyExit(CompiledPasses):
     target's own pass runs compiled in about two thirds of that."""
 
     what, takes = "the early-exit draft's pass", "under a minute"
+    narrow_passes = False
 
     def __call__(self, input_ids, *, position_ids, attention_mask=None, cache=None):
         head = self.module

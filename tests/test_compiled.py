@@ -45,11 +45,21 @@ def compiled_llama(package_cache):
     return model
 
 
-def recorded_shapes(passes, monkeypatch) -> list[tuple[int, int]]:
-    """(rows, tokens) of every pass that runs through a compiled package (decoding_pass(model), a compiled head)."""
+def recorded_shapes(passes, monkeypatch, by_package: dict | None = None) -> list[tuple[int, int]]:
+    """(rows, tokens) of every pass that runs through a compiled package (decoding_pass(model), a compiled head);
+    `by_package` also gets them by package ("runner", "narrow_runner")."""
     shapes = []
-    runner = passes.runner
-    monkeypatch.setattr(passes, "runner", lambda ids, *rest: shapes.append(tuple(ids.shape)) or runner(ids, *rest))
+    for name in ("runner", "narrow_runner"):
+        runner = getattr(passes, name)
+        if runner is not None:
+
+            def recording(ids, *rest, runner=runner, name=name):
+                shapes.append(tuple(ids.shape))
+                if by_package is not None:
+                    by_package.setdefault(name, []).append(tuple(ids.shape))
+                return runner(ids, *rest)
+
+            monkeypatch.setattr(passes, name, recording)
     return shapes
 
 
@@ -90,6 +100,28 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     assert prompts <= widths, "every prompt was prefilled through the compiled pass"
     for head, calls in head_shapes.items():  # committed tokens read (1 a step or more) and draft levels (top_k wide)
         assert {shape[1] for shape in calls} >= {1, 3 if head is eagle else 2}, calls
+
+
+def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_through_the_other(
+    compiled_llama, monkeypatch
+):
+    model = compiled_llama
+    passes = decoding_pass(model)
+    assert passes.narrow_runner is not None and passes.narrow_package_path().exists()
+    by_package = {}
+    recorded_shapes(passes, monkeypatch, by_package)
+    tree = best_static_paths(6, default_accuracy(depth=3, ranks=2))
+    prompts = random_prompts(model.config.vocab_size, 3, seed=12)
+    for prompt in prompts:
+        reference = hf_greedy(model, prompt, NEW_TOKENS)
+        oracle = OracleDrafter(torch.cat([prompt, torch.tensor(reference)]), tree, model.config.vocab_size)
+        for heads in (None, oracle):
+            assert generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, fallback=False).token_ids == reference
+    assert generate(model, None, [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, batch_size=3)
+    tokens = {name: {rows * width for rows, width in shapes} for name, shapes in by_package.items()}
+    assert 1 in tokens["narrow_runner"], "plain steps ran through the narrow package"
+    assert max(tokens["narrow_runner"]) <= compiled.NARROW_TOKENS
+    assert min(tokens["runner"]) > compiled.NARROW_TOKENS, "trees, batches and prompts through the other"
 
 
 def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):
@@ -187,18 +219,22 @@ def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_p
     assert compiled._start_helper(torch.device("meta")) is None  # only CPU packages share those headers
 
 
-def test_a_heads_pass_compiles_in_the_helper_process_beside_the_targets(package_cache, monkeypatch):
+def test_the_helper_process_compiles_the_narrow_package_while_the_target_and_head_compile_here(package_cache, monkeypatch):
     model = compile_target(tiny_model("llama", seed=11))
     torch.manual_seed(2)
     head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
     compiled_here = []
     package = compiled._package
     monkeypatch.setattr(
-        compiled, "_package", lambda program, path: compiled_here.append(path) or package(program, path)
+        compiled,
+        "_package",
+        lambda program, path, *narrow: compiled_here.append(path) or package(program, path, *narrow),
     )
     assert warm_up(model, head, verbose=False) > 0
     passes = compiled_heads.compiled_head(head, model)
-    assert compiled_here == [package_path(model)], "the head's package came from the other process"
+    narrow = decoding_pass(model).narrow_package_path()
+    assert narrow.exists() and narrow not in compiled_here, "the narrow passes' package came from the other process"
+    assert compiled_here == [package_path(model), passes.package_path()], "the head's compiled here, after the target's"
     assert passes.runner is not None and passes.path.exists() and is_compiled(model)
     shapes = recorded_shapes(passes, monkeypatch)
     prompt = random_prompts(model.config.vocab_size, 1, seed=8)[0]
