@@ -38,11 +38,13 @@ from .loop import decode
 from .tree import chain_inputs
 from .tree_size import DynamicTreeSpec, PassCost
 
-TOKEN_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+# 4 and 5 both: on a CPU, passes of up to 4 tokens run through a package of their own (inference.compiled.NARROW_TOKENS)
+# and cost much less than those of 5, so no cost between them is interpolated
+TOKEN_COUNTS = (1, 2, 4, 5, 8, 12, 16, 24, 32, 48)
 # part of the cache key: calibrations measured the older ways (one pass count at a time; keys and values copied for
 # every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned; drafting timed apart
-# from the loop; the early-exit draft eager beside a compiled target) are measured again
-MEASUREMENT_VERSION = 7
+# from the loop; the early-exit draft eager beside a compiled target; no pass of 5 tokens) are measured again
+MEASUREMENT_VERSION = 8
 # Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
 # products run in blocks of rows: at 8 rows a bfloat16 pass over 3 tokens a row cost what one over 4 did (Xeon, AMX),
 # 7 what 8 did, so an interpolated cost at 5 or 7 would buy widths that waste a block.

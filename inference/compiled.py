@@ -504,12 +504,16 @@ def compile_target(model):
 
 
 def compiled_settings(model) -> str | None:
-    """What calibration keys its measurements by: None for eager passes, else the compiled package's file name (a
-    pass compiled otherwise costs otherwise)."""
+    """What calibration keys its measurements by: None for eager passes, else the compiled packages' file names (a
+    pass compiled otherwise costs otherwise), the narrow passes' one where it loaded."""
     if not is_compiled(model):
         return None
     passes = getattr(model, PASSES)
-    return (passes.path or package_path(model)).name
+    names = [(passes.path or package_path(model)).name]
+    narrow = passes.narrow_package_path()
+    if narrow is not None and (passes.runner is None or passes.narrow_runner is not None):
+        names.append(narrow.name)
+    return " + ".join(names)
 
 
 def is_compiled(model) -> bool:
