@@ -10,16 +10,19 @@ compiled code (inductor's `freezing`), they are packed once for the CPU's matrix
 
 One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits, hidden
 states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens, cache length),
-so one compiled graph serves plain steps, trees, batches and prompts (the logits of their last tokens only). An
-EAGLE head's passes (over the committed tokens and each draft level) are compiled the same way (compiled_heads.py)
-when the target's are: 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from
-1.01x to 1.10x plain decoding in float32 on dev. Compiling takes a minute or two on 2 CPU cores (94-112 s for
-SmolLM2-135M's pass, 12 s for its EAGLE head, 48 s for its 8-layer early exit, on a 2-core EPYC; a second process
-compiles the heads' packages meanwhile, and on a fresh machine first builds the C++ headers every package shares, 29
-s less); the result is a package on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's
-instruction set and the library versions), so a second process loads it in about 2 s. A prompt longer than
-COMPILED_PREFILL_TOKENS is prefilled eagerly. A model that does not export or compile decodes eagerly, after one
-warning naming the reason.
+so one exported program serves plain steps, trees, batches and prompts (the logits of their last tokens only). On
+a CPU it is compiled into two packages: passes of up to NARROW_TOKENS tokens in all (plain steps, small trees)
+run through one whose matrix products are inductor's C++ GEMM template, which reads the weights of a few rows at
+nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms against 17-23 ms through oneDNN), and
+wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
+head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
+4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
+decoding in float32 on dev. Compiling takes about two minutes on 2 CPU cores (127 s for SmolLM2-135M's two
+packages and its EAGLE head's on a 2-core EPYC: a second process compiles the narrow package meanwhile, and on a
+fresh machine first builds the C++ headers every package shares); the result is kept on disk (under
+SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
+versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
+eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason.
 """
 
 from __future__ import annotations
