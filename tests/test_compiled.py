@@ -219,7 +219,7 @@ def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_p
     assert compiled._start_helper(torch.device("meta")) is None  # only CPU packages share those headers
 
 
-def test_the_helper_process_compiles_the_narrow_package_while_the_target_and_head_compile_here(package_cache, monkeypatch):
+def test_the_helper_compiles_the_narrow_package_while_the_target_and_head_compile_here(package_cache, monkeypatch):
     model = compile_target(tiny_model("llama", seed=11))
     torch.manual_seed(2)
     head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
