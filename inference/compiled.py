@@ -17,7 +17,7 @@ nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms agai
 wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
 head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. Compiling takes about two minutes on 2 CPU cores (127 s for SmolLM2-135M's two
+decoding in float32 on dev. Compiling takes about two minutes on 2 CPU cores (127-135 s for SmolLM2-135M's two
 packages and its EAGLE head's on a 2-core EPYC: a second process compiles the narrow package meanwhile, and on a
 fresh machine first builds the C++ headers every package shares); the result is kept on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
