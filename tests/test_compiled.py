@@ -112,12 +112,13 @@ def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_th
     recorded_shapes(passes, monkeypatch, by_package)
     tree = best_static_paths(6, default_accuracy(depth=3, ranks=2))
     prompts = random_prompts(model.config.vocab_size, 3, seed=12)
-    for prompt in prompts:
-        reference = hf_greedy(model, prompt, NEW_TOKENS)
+    references = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    for prompt, reference in zip(prompts, references):
         oracle = OracleDrafter(torch.cat([prompt, torch.tensor(reference)]), tree, model.config.vocab_size)
         for heads in (None, oracle):
             assert generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, fallback=False).token_ids == reference
-    assert generate(model, None, [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, batch_size=3)
+    batch = generate(model, None, [p.tolist() for p in prompts], max_new_tokens=NEW_TOKENS, batch_size=3)
+    assert [out.token_ids for out in batch] == references
     tokens = {name: {rows * width for rows, width in shapes} for name, shapes in by_package.items()}
     assert 1 in tokens["narrow_runner"], "plain steps ran through the narrow package"
     assert max(tokens["narrow_runner"]) <= compiled.NARROW_TOKENS
