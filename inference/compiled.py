@@ -159,8 +159,9 @@ def _new_entries(cache: Cache, new: int) -> tuple[list[torch.Tensor], list[torch
 
 class CompiledPasses:
     """Calls the model like `model(**kwargs)` for a decoding pass (input_ids, position_ids, a 4D attention_mask
-    and a filled cache), through the compiled package; compiles or loads it on first use. Falls back to the eager
-    model, once and with a warning, if exporting or compiling fails."""
+    and a filled cache), through the compiled packages (on a CPU, the narrow passes' one for passes of at most
+    NARROW_TOKENS tokens in all); compiles or loads them on first use. Falls back to the eager model, once and with a
+    warning, if exporting or compiling fails."""
 
     what, takes = "the target's decoding pass", "two or three minutes"  # for the progress line
     narrow_passes = True  # a second package for passes of at most NARROW_TOKENS tokens, on a CPU
@@ -203,7 +204,8 @@ class CompiledPasses:
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
 
     def _run_with_cache(self, cache, inputs: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> list:
-        """The package's outputs for (inputs, each layer's cache entries, extra); the new entries go into the cache."""
+        """The package's outputs for (inputs, each layer's cache entries, extra), the narrow passes' package's for a
+        pass of at most NARROW_TOKENS tokens in all; the new entries go into the cache."""
         if cache.get_seq_length() == 0:  # a prompt's pass (the target's only): empty stores shaped as its cache
             rows, device = inputs[0].shape[0], inputs[0].device
             if self.cache_shapes is None:
@@ -229,9 +231,9 @@ class CompiledPasses:
         return _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
 
     def ready(self, verbose: bool = True, alongside: list[CompiledPasses] = ()) -> bool:
-        """Load or compile the package if that was not done yet; False when compiling failed (decode eagerly). If
-        this one compiles, a second process compiles the packages of `alongside` (other passes, a head's) meanwhile;
-        each loads its own on its first `ready`."""
+        """Load or compile the packages if that was not done yet; False when compiling failed (decode eagerly). If
+        these compile, the packages of `alongside` (a head's) compile right after them; each loads its own on its
+        first `ready`."""
         if self.runner is None and self.failed is None:
             with self._lock:
                 if self.runner is None and self.failed is None:
