@@ -286,7 +286,7 @@ class CompiledPasses:
                 p for p in alongside if p.runner is None and p.failed is None and not p.package_path().exists()
             ]
             if verbose:
-                also = "".join(f" and, alongside, {p.what}" for p in alongside)
+                also = "".join(f", then {p.what}" for p in alongside)
                 print(
                     f"compiling {self.what}{also} (AOTInductor: {self.takes} on 2 CPU cores, once a machine; "
                     f"kept in {path.parent})...",
@@ -534,8 +534,9 @@ def decoding_pass(model):
 
 def warm_up_passes(model, heads: list[CompiledPasses] = (), *, verbose: bool = True) -> float:
     """Compile `model`'s decoding pass and the heads' passes now (or load them from disk), with a progress line on
-    stderr when they compile; returns the seconds spent. When the target's pass compiles, a second process compiles
-    the heads' meanwhile. A model not registered by compile_target is left alone."""
+    stderr when they compile; returns the seconds spent. When the target's packages compile, the heads' compile right
+    after them (on a CPU, a second process compiles the narrow package meanwhile). A model not registered by
+    compile_target is left alone."""
     passes = getattr(model, PASSES, None)
     if passes is None or all(p.runner is not None or p.failed is not None for p in (passes, *heads)):
         return 0.0
