@@ -385,8 +385,8 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
             for other in alongside:
                 try:
                     _package(other.export(), other.package_path())
-                except COMPILE_ERRORS:
-                    continue  # left to its own `ready`, which says why
+                except (*COMPILE_ERRORS, RuntimeError, OSError):
+                    continue  # left to its own `ready`, which compiles it again or says why not
         finally:
             if helper is not None:
                 helper.wait()  # never left half-written: a later compile would take a truncated header as built
