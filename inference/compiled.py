@@ -171,6 +171,7 @@ class CompiledPasses:
         self.runner = None
         self.narrow_runner = None  # the narrow passes' package, where there is one
         self.path: Path | None = None  # the package, once loaded
+        self.narrow_path: Path | None = None  # the narrow passes' package, once loaded
         self.failed: str | None = None
         self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
         self.cache_shapes: list[tuple[int, int]] | None = None  # read when a prompt's pass first needs them
@@ -252,14 +253,15 @@ class CompiledPasses:
             )
         )
 
-    def narrow_package_path(self) -> Path | None:
-        """Where the narrow passes' package goes (keyed by this process's threads too, which its products are
-        generated for), or None where there is none: not on a CPU."""
-        module = self.module
-        if not self.narrow_passes or next(module.parameters()).device.type != "cpu":
+    def narrow_package_path(self, path: Path | None = None) -> Path | None:
+        """Where the narrow passes' package goes, beside the package at `path` (package_path(), keyed by the weights,
+        by default) and keyed by its options and this process's threads (which its products are generated for), or
+        None where there is none: not on a CPU."""
+        if not self.narrow_passes or next(self.module.parameters()).device.type != "cpu":
             return None
-        key = package_key(module, repr((NARROW_OPTIONS, torch.get_num_threads())))
-        return self.package_path().with_name(f"{self.package_path().stem}-narrow-{key}.pt2")
+        path = path or self.package_path()
+        key = hashlib.blake2b(repr((NARROW_OPTIONS, torch.get_num_threads())).encode(), digest_size=6).hexdigest()
+        return path.with_name(f"{path.stem}-narrow-{key}.pt2")
 
     def export(self):
         """The pass as torch.export's program, every size dynamic."""
@@ -279,7 +281,8 @@ class CompiledPasses:
 
     def _prepare(self, verbose: bool, alongside: list[CompiledPasses] = ()) -> None:
         started = time.perf_counter()
-        path, narrow = self.package_path(), self.narrow_package_path()
+        path = self.package_path()
+        narrow = self.narrow_package_path(path)
         compiled_here = not path.exists()
         if compiled_here or (narrow is not None and not narrow.exists()):
             alongside = [
@@ -313,6 +316,7 @@ class CompiledPasses:
         self.path = path
         if narrow is not None:
             self.narrow_runner = _load_narrow(narrow)
+            self.narrow_path = narrow if self.narrow_runner is not None else None
         self.compile_seconds = time.perf_counter() - started
 
     def _fail(self, reason: str) -> None:
@@ -370,7 +374,7 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
     """Export the pass with every size dynamic and compile it into the package at `path` and, on a CPU, the narrow
     passes' package (atomically, each one missing); then the passes `alongside` (a head's) into theirs. A second
     process compiles the narrow package meanwhile, from the same program: the longest of the compiles."""
-    narrow = passes.narrow_package_path()
+    narrow = passes.narrow_package_path(path)
     with tempfile.TemporaryDirectory() as scratch:
         program = passes.export()
         jobs = []
@@ -514,11 +518,12 @@ def compiled_settings(model) -> str | None:
     if not is_compiled(model):
         return None
     passes = getattr(model, PASSES)
-    names = [(passes.path or package_path(model)).name]
-    narrow = passes.narrow_package_path()
-    if narrow is not None and (passes.runner is None or passes.narrow_runner is not None):
-        names.append(narrow.name)
-    return " + ".join(names)
+    if passes.path is not None:  # loaded: the packages it runs
+        paths = [passes.path, passes.narrow_path]
+    else:
+        path = passes.package_path()
+        paths = [path, passes.narrow_package_path(path)]
+    return " + ".join(path.name for path in paths if path is not None)
 
 
 def is_compiled(model) -> bool:

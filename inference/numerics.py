@@ -42,11 +42,11 @@ def near_tie(
     given, the logits are computed again as generate() computes them, the first `prompt_length` tokens in one
     pass and the rest one at a time, and those decide.
     """
-    tie, gap = _gap(model(torch.tensor([context], device=model.device)).logits[0, -1], ours, theirs, steps)
+    ids = torch.tensor([context], device=model.device)
+    tie, gap = _gap(model(ids).logits[0, -1], ours, theirs, steps)
     if tie or prompt_length is None or prompt_length >= len(context):
         return tie, gap
     cache = DynamicCache(config=model.config)
-    ids = torch.tensor([context], device=model.device)
     logits = model(ids[:, :prompt_length], cache=cache, use_cache=True).logits
     for at in range(prompt_length, len(context)):
         logits = model(ids[:, at : at + 1], cache=cache, use_cache=True).logits
