@@ -364,7 +364,7 @@ def main(argv=None) -> None:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype, compile=args.compile)
     head = load_heads(args.heads, model) if args.heads else None
-    warm_up(model, head)
+    warm_up(model, head, wait=True)  # prices the packages later calls run through
     spec = grown_tree_spec(head)
     if head is not None and spec is None:
         parser.error(

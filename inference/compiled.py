@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -172,6 +173,8 @@ class CompiledPasses:
         self.narrow_runner = None  # the narrow passes' package, where there is one
         self.path: Path | None = None  # the package, once loaded
         self.narrow_path: Path | None = None  # the narrow passes' package, once loaded
+        self.narrow_pending: Path | None = None  # the narrow passes' package while it compiles in the background
+        self.helper: subprocess.Popen | None = None  # the process compiling it, where this one started it
         self.failed: str | None = None
         self.compile_seconds = 0.0  # what preparing the package took in this process (compiling, or loading it)
         self.cache_shapes: list[tuple[int, int]] | None = None  # read when a prompt's pass first needs them
@@ -233,8 +236,9 @@ class CompiledPasses:
 
     def ready(self, verbose: bool = True, alongside: list[CompiledPasses] = ()) -> bool:
         """Load or compile the packages if that was not done yet; False when compiling failed (decode eagerly). If
-        these compile, the packages of `alongside` (a head's) compile right after them; each loads its own on its
-        first `ready`."""
+        these compile, the packages of `alongside` (a head's) compile beside them; each loads its own on its first
+        `ready`. On a CPU the narrow passes' package may still be compiling in the background when this returns:
+        take_narrow() loads it once it has landed."""
         if self.runner is None and self.failed is None:
             with self._lock:
                 if self.runner is None and self.failed is None:
@@ -283,41 +287,75 @@ class CompiledPasses:
         started = time.perf_counter()
         path = self.package_path()
         narrow = self.narrow_package_path(path)
-        compiled_here = not path.exists()
-        if compiled_here or (narrow is not None and not narrow.exists()):
+        if path.exists():
+            try:
+                self.runner = torch._inductor.aoti_load_package(str(path))
+            except RuntimeError as error:  # a package this machine cannot load (copied from another, say)
+                path.unlink(missing_ok=True)
+                warnings.warn(
+                    f"could not load the compiled package {path} ({_first_line(error)}); compiling it again",
+                    stacklevel=4,
+                )
+        compiles = self.runner is None
+        if compiles or (narrow is not None and not narrow.exists() and not _compiling_elsewhere(narrow)):
             alongside = [
                 p for p in alongside if p.runner is None and p.failed is None and not p.package_path().exists()
             ]
             if verbose:
+                what = self.what if compiles else f"the package for passes of up to {NARROW_TOKENS} tokens"
                 also = "".join(f", then {p.what}" for p in alongside)
                 print(
-                    f"compiling {self.what}{also} (AOTInductor: {self.takes} on 2 CPU cores, once a machine; "
+                    f"compiling {what}{also} (AOTInductor: {self.takes} on 2 CPU cores, once a machine; "
                     f"kept in {path.parent})...",
                     file=sys.stderr,
                     flush=True,
                 )
             try:
-                _compile_package(self, path, alongside)
+                self.helper = _compile_package(self, path, alongside)
             except COMPILE_ERRORS as error:
-                return self._fail(f"{type(error).__name__}: {_first_line(error)}")
+                if compiles:
+                    return self._fail(f"{type(error).__name__}: {_first_line(error)}")
+                narrow = None  # the other package serves every pass
+            if compiles:
+                try:
+                    self.runner = torch._inductor.aoti_load_package(str(path))
+                except RuntimeError as error:  # just compiled and still unloadable: decode eagerly
+                    path.unlink(missing_ok=True)
+                    return self._fail(f"the compiled package does not load: {_first_line(error)}")
             if verbose:
-                print(f"  compiled in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        try:
-            self.runner = torch._inductor.aoti_load_package(str(path))
-        except RuntimeError as error:
-            path.unlink(missing_ok=True)
-            if compiled_here:  # just compiled and still unloadable: decode eagerly
-                return self._fail(f"the compiled package does not load: {_first_line(error)}")
-            # a package this machine cannot load (copied from another, say): compiled anew
-            warnings.warn(
-                f"could not load the compiled package {path} ({_first_line(error)}); compiling it again", stacklevel=4
-            )
-            return self._prepare(verbose)
+                background = (
+                    f"; the package for passes of up to {NARROW_TOKENS} tokens goes on compiling in the background "
+                    "and serves the calls that start after it lands"
+                    if self.helper is not None
+                    else ""
+                )
+                print(f"  compiled in {time.perf_counter() - started:.0f} s{background}", file=sys.stderr, flush=True)
         self.path = path
         if narrow is not None:
-            self.narrow_runner = _load_narrow(narrow)
-            self.narrow_path = narrow if self.narrow_runner is not None else None
+            self.narrow_pending = narrow
+            self.take_narrow()
         self.compile_seconds = time.perf_counter() - started
+
+    def take_narrow(self, wait: bool = False) -> None:
+        """Load the narrow passes' package if it has landed since (or, with `wait`, once it lands); until then every
+        pass runs through the other package. generate() calls it first (through warm_up), so that a package
+        compiled in the background serves the calls after it lands, each call's passes through the same ones."""
+        narrow = self.narrow_pending
+        if narrow is None:
+            return
+        while True:
+            compiling = self._narrow_compiling(narrow)  # asked before looking for the file, which may land meanwhile
+            if narrow.exists() or not compiling:
+                break
+            if not wait:
+                return
+            time.sleep(0.2)
+        self.narrow_pending = None  # landed, or its compile ended without it (_load_narrow says so, once)
+        self.narrow_runner = _load_narrow(narrow)
+        self.narrow_path = narrow if self.narrow_runner is not None else None
+
+    def _narrow_compiling(self, narrow: Path) -> bool:
+        return (self.helper is not None and self.helper.poll() is None) or _compiling_elsewhere(narrow)
 
     def _fail(self, reason: str) -> None:
         """Run eagerly from now on, after one warning naming the reason."""
@@ -370,76 +408,143 @@ def _export(
         )
 
 
-def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()) -> None:
-    """Export the pass with every size dynamic and compile it into the package at `path` and, on a CPU, the narrow
-    passes' package (atomically, each one missing); then the passes `alongside` (a head's) into theirs. A second
-    process compiles the narrow package meanwhile, from the same program: the longest of the compiles."""
+def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()):
+    """Export the pass and compile it into the package at `path` (atomically, where it is missing). On a CPU a
+    second process compiles, meanwhile, the packages of the passes `alongside` (a head's), which this waits for,
+    then the narrow passes' package (where it is missing), which it leaves compiling in the background at the
+    lowest priority: returns that process while it does (None otherwise). Elsewhere the heads' packages compile
+    here, after the target's."""
     narrow = passes.narrow_package_path(path)
-    with tempfile.TemporaryDirectory() as scratch:
-        program = passes.export()
-        jobs = []
-        if narrow is not None and not narrow.exists():
-            saved = Path(scratch) / "narrow.pt2"
-            torch.export.save(program, saved)
-            jobs.append((saved, narrow, torch.get_num_threads()))
-        helper = _start_helper(next(passes.module.parameters()).device, jobs)
+    device = next(passes.module.parameters()).device
+    program = passes.export()
+    scratch = Path(tempfile.mkdtemp(prefix="specheads-programs-"))  # the helper's, which deletes it
+    jobs, heads = [], []
+    if device.type == "cpu":
+        for other in alongside:
+            try:
+                heads.append(_saved_job(other.export(), scratch, other.package_path()))
+            except (*COMPILE_ERRORS, RuntimeError, OSError):
+                continue  # left to its own `ready`, which compiles it again or says why not
+        jobs = list(heads)
+        if narrow is not None and not narrow.exists() and not _compiling_elsewhere(narrow):
+            jobs.append(_saved_job(program, scratch, narrow, narrow=True))
+    helper = _start_helper(device, jobs, scratch)
+    if helper is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if not path.exists():
         try:
-            if not path.exists():
-                _package(program, path)
-            for other in alongside:
-                try:
-                    _package(other.export(), other.package_path())
-                except (*COMPILE_ERRORS, RuntimeError, OSError):
-                    continue  # left to its own `ready`, which compiles it again or says why not
-        finally:
+            _package(program, path)
+        except BaseException:
             if helper is not None:
-                helper.wait()  # never left half-written: a later compile would take a truncated header as built
+                helper.kill()  # its packages would serve a target that decodes eagerly
+            raise
+    if helper is None:
+        for other in alongside:
+            try:
+                _package(other.export(), other.package_path())
+            except (*COMPILE_ERRORS, RuntimeError, OSError):
+                continue
+        return None
+    while helper.poll() is None and not all(Path(job[1]).exists() for job in heads):
+        time.sleep(0.1)  # a head's package it failed to compile is compiled by that head's own `ready`
+    return helper if helper.poll() is None else None
 
 
-def _package(program, path: Path, narrow_threads: int | None = None) -> None:
-    """Compile an exported program into the package at `path`, atomically: with INDUCTOR_OPTIONS, or for narrow
-    passes on `narrow_threads` threads."""
+def _saved_job(program, scratch: Path, package: Path, narrow: bool = False) -> tuple[str, str, int, bool]:
+    """A helper's job: `program` saved into `scratch`, compiled into `package` with this process's threads (which
+    the kernels are generated for: the helper runs on one), as the narrow passes' package or the other kind."""
+    saved = scratch / f"{package.stem}.pt2"
+    torch.export.save(program, saved)
+    return str(saved), str(package), torch.get_num_threads(), narrow
+
+
+def _package(program, path: Path, threads: int | None = None, narrow: bool = False) -> None:
+    """Compile an exported program into the package at `path`, atomically: with INDUCTOR_OPTIONS, or NARROW_OPTIONS
+    for the narrow passes, its kernels generated for `threads` threads (by default this process's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.stem}.tmp{os.getpid()}.pt2")  # the package's name must end in .pt2
-    options = INDUCTOR_OPTIONS if narrow_threads is None else {**NARROW_OPTIONS, "cpp.threads": narrow_threads}
+    options = dict(NARROW_OPTIONS if narrow else INDUCTOR_OPTIONS)
+    if threads is not None:
+        options["cpp.threads"] = threads
     try:
         with torch.no_grad():  # inductor freezes the weights only with gradients off
             torch._inductor.aoti_compile_and_package(
-                program, package_path=str(staging), inductor_configs=dict(options)
+                program, package_path=str(staging), inductor_configs=options
             )  # (it adds keys to it)
         os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)
 
 
-def _start_helper(device: torch.device, programs: list[tuple[Path, Path, int | None]] = ()) -> subprocess.Popen | None:
+def _start_helper(
+    device: torch.device, jobs: list[tuple[str, str, int, bool]] = (), scratch: Path | None = None
+) -> subprocess.Popen | None:
     """On a CPU, start a second process for the work that can run beside this one's compile, on the other core:
     first, once a machine, it compiles a tiny package with the same options, which builds what every package shares
     and inductor keeps on disk (the precompiled C++ headers of the wrapper and of the kernels, the instruction-set
     probe): on a fresh machine about 30 s of g++ (2-core EPYC) that inductor would otherwise run after the
-    lowering, one step after another. Then it compiles each (saved program, package path, narrow threads) of
-    `programs` (_package): the narrow passes' package while this process compiles the target's other one. None
-    when there is nothing to do. Nothing depends on it: a header it did not build is built by the process that
-    needs it, and without the narrow package every pass runs through the other."""
+    lowering, one step after another. Then it compiles each job of `jobs` (_saved_job), a narrow passes' package at
+    the lowest priority, and deletes `scratch`. None when there is nothing to do. It runs in a session of its own,
+    so that a package it is compiling in the background is finished even when this process ends first; nothing
+    depends on it: a header it did not build is built by the process that needs it, a head's package it did not
+    compile is compiled by that head's `ready`, and without the narrow package every pass runs through the other."""
     build_headers = torch._inductor.config.aot_inductor.precompile_headers and not _headers_built_marker().exists()
-    if device.type != "cpu" or not (build_headers or programs):
+    if device.type != "cpu" or not (build_headers or jobs):
         return None
     built = str(_headers_built_marker()) if build_headers else None
-    jobs = [(str(saved), str(package), threads) for saved, package, threads in programs]
-    code = f"from inference.compiled import run_helper; run_helper({built!r}, {jobs!r})"
+    code = f"from inference.compiled import run_helper; run_helper({built!r}, {list(jobs)!r}, {str(scratch)!r})"
     package_root = str(Path(__file__).resolve().parents[1])  # where `inference` imports from
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
-def run_helper(built: str | None, programs: list[tuple[str, str, int | None]]) -> None:
+def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratch: str | None = None) -> None:
     """What _start_helper's process runs: the shared headers (when `built`, the marker to create, is given), then
-    each saved program compiled into its package."""
-    if built is not None:
-        compile_tiny_package(built)
-    for saved, package, narrow_threads in programs:
-        _package(torch.export.load(saved), Path(package), narrow_threads)
+    each job's saved program compiled into its package; a narrow package's compile is announced by a marker file
+    (_compiling_elsewhere) so that other processes wait for it instead of compiling it too."""
+    markers = [_compiling_marker(Path(package)) for _, package, _, narrow in jobs if narrow]
+    try:
+        for marker in markers:
+            marker.write_text(str(os.getpid()))
+        if built is not None:
+            compile_tiny_package(built)
+        for saved, package, threads, narrow in jobs:
+            if narrow:
+                os.nice(19)  # it compiles while the first process decodes: only on what that leaves idle
+            try:
+                program = torch.export.load(saved)
+                Path(saved).unlink()
+                _package(program, Path(package), threads, narrow)
+            except (*COMPILE_ERRORS, RuntimeError, OSError):
+                continue  # the next job may still compile; a missing package is compiled or done without
+    finally:
+        for marker in markers:
+            marker.unlink(missing_ok=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compiling_marker(package: Path) -> Path:
+    return package.with_name(package.name + ".compiling")
+
+
+def _compiling_elsewhere(package: Path) -> bool:
+    """Whether a live helper process (this one's or another's) is compiling the package at `package`."""
+    marker = _compiling_marker(package)
+    try:
+        os.kill(int(marker.read_text()), 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _headers_built_marker() -> Path:
@@ -537,16 +642,19 @@ def decoding_pass(model):
     return getattr(model, PASSES, model)
 
 
-def warm_up_passes(model, heads: list[CompiledPasses] = (), *, verbose: bool = True) -> float:
+def warm_up_passes(model, heads: list[CompiledPasses] = (), *, verbose: bool = True, wait: bool = False) -> float:
     """Compile `model`'s decoding pass and the heads' passes now (or load them from disk), with a progress line on
-    stderr when they compile; returns the seconds spent. When the target's packages compile, the heads' compile right
-    after them (on a CPU, a second process compiles the narrow package meanwhile). A model not registered by
+    stderr when they compile; returns the seconds spent. When the target's packages compile, the heads' compile
+    beside them. On a CPU the narrow passes' package may go on compiling in the background: it is taken up by the
+    first call after it lands, or waited for with `wait` (what a benchmark wants). A model not registered by
     compile_target is left alone."""
     passes = getattr(model, PASSES, None)
-    if passes is None or all(p.runner is not None or p.failed is not None for p in (passes, *heads)):
+    if passes is None:
         return 0.0
     started = time.perf_counter()
-    passes.ready(verbose, alongside=list(heads))
-    for head in heads:
-        head.ready(verbose)
+    if not all(p.runner is not None or p.failed is not None for p in (passes, *heads)):
+        passes.ready(verbose, alongside=list(heads))
+        for head in heads:
+            head.ready(verbose)
+    passes.take_narrow(wait=wait)
     return time.perf_counter() - started

@@ -198,9 +198,11 @@ def head_passes(heads, model) -> list[CompiledPasses]:
     return found
 
 
-def warm_up(model, heads=None, *, verbose: bool = True) -> float:
+def warm_up(model, heads=None, *, verbose: bool = True, wait: bool = False) -> float:
     """Compile `model`'s decoding pass and the passes of `heads` (as generate() takes them) now, or load them from
     disk, with a progress line on stderr when they compile; returns the seconds spent. generate() calls it first,
-    so that no call spends minutes compiling without saying so, nor stops to compile after its first token. A model
-    not registered by compile_target is left alone."""
-    return warm_up_passes(model, head_passes(heads, model), verbose=verbose)
+    so that no call spends minutes compiling without saying so, nor stops to compile after its first token. On a
+    CPU the package for passes of a few tokens may still be compiling in the background when it returns (the calls
+    after it lands take it up); `wait=True` waits for it, as a benchmark must. A model not registered by
+    compile_target is left alone."""
+    return warm_up_passes(model, head_passes(heads, model), verbose=verbose, wait=wait)

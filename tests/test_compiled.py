@@ -4,6 +4,8 @@ A tiny model compiles in about 20 s; the package lands in a temporary SPECHEADS_
 the same weights loads it instead of compiling.
 """
 
+import os
+import shutil
 import warnings
 
 import pytest
@@ -41,7 +43,14 @@ def package_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled_llama(package_cache):
     model = compile_target(tiny_model("llama"))
-    assert warm_up(model, verbose=False) > 0 and is_compiled(model)
+    assert warm_up(model, verbose=False, wait=True) > 0 and is_compiled(model)
+    return model
+
+
+def without_narrow_package(model):
+    """`model` compiled into one package only (the narrow passes' one is tested on compiled_llama): no compile left
+    running in the background for the tests after."""
+    decoding_pass(compile_target(model)).narrow_passes = False
     return model
 
 
@@ -199,7 +208,7 @@ def test_the_models_own_forward_stays_eager(compiled_llama):
 
 
 def test_a_package_that_does_not_load_is_compiled_again(package_cache):
-    model = compile_target(tiny_model("llama", seed=7))
+    model = without_narrow_package(tiny_model("llama", seed=7))
     path = package_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"not a package")  # say, copied from a machine it was not compiled for
@@ -220,7 +229,9 @@ def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_p
     assert compiled._start_helper(torch.device("meta")) is None  # only CPU packages share those headers
 
 
-def test_the_helper_compiles_the_narrow_package_while_the_target_and_head_compile_here(package_cache, monkeypatch):
+def test_the_helper_compiles_the_head_beside_the_target_then_the_narrow_package_in_the_background(
+    package_cache, monkeypatch
+):
     model = compile_target(tiny_model("llama", seed=11))
     torch.manual_seed(2)
     head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
@@ -229,17 +240,49 @@ def test_the_helper_compiles_the_narrow_package_while_the_target_and_head_compil
     monkeypatch.setattr(
         compiled,
         "_package",
-        lambda program, path, *narrow: compiled_here.append(path) or package(program, path, *narrow),
+        lambda program, path, *options: compiled_here.append(path) or package(program, path, *options),
     )
     assert warm_up(model, head, verbose=False) > 0
-    passes = compiled_heads.compiled_head(head, model)
-    narrow = decoding_pass(model).narrow_package_path()
-    assert narrow.exists() and narrow not in compiled_here, "the narrow passes' package came from the other process"
-    assert compiled_here == [package_path(model), passes.package_path()], "the head's compiled here, after the target's"
+    passes, target = compiled_heads.compiled_head(head, model), decoding_pass(model)
+    narrow = target.narrow_package_path()
+    assert compiled_here == [package_path(model)], "the head's and the narrow package came from the other process"
     assert passes.runner is not None and passes.path.exists() and is_compiled(model)
+    assert target.narrow_runner is not None or target.narrow_pending == narrow  # landed already, or still compiling
+    warm_up(model, head, verbose=False, wait=True)
+    assert target.narrow_runner is not None and target.narrow_path == narrow
+    assert target.helper.wait(timeout=60) == 0
+    assert not compiled._compiling_marker(narrow).exists()
     shapes = recorded_shapes(passes, monkeypatch)
     prompt = random_prompts(model.config.vocab_size, 1, seed=8)[0]
     out = generate(
         model, head, prompt, max_new_tokens=NEW_TOKENS, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=6), fallback=False
     )
     assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS) and shapes, "it drafted through the package"
+
+
+def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(compiled_llama, monkeypatch, tmp_path):
+    def compiles(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    landed = decoding_pass(compiled_llama).narrow_path
+    kept = tmp_path / landed.name
+    marker = compiled._compiling_marker(landed)
+    shutil.move(landed, kept)  # the cache as it is while another process compiles it
+    marker.write_text(str(os.getpid()))  # (a live process)
+    try:
+        monkeypatch.setattr(compiled, "_compile_package", compiles)
+        again = compile_target(tiny_model("llama"))
+        passes = decoding_pass(again)
+        prompt = random_prompts(again.config.vocab_size, 1, seed=9)[0]
+        reference = hf_greedy(again, prompt, NEW_TOKENS)
+        assert generate(again, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == reference
+        assert passes.narrow_runner is None and passes.narrow_pending == landed, "it waits for the package"
+        shutil.move(kept, landed)
+        assert generate(again, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == reference
+        assert passes.narrow_path == landed and passes.narrow_pending is None, "the next call took it up"
+        marker.write_text("999999999")  # no such process: a compile that ended without removing its marker
+        assert not compiled._compiling_elsewhere(landed)
+    finally:
+        marker.unlink(missing_ok=True)
+        if kept.exists():
+            shutil.move(kept, landed)
