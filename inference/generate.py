@@ -14,6 +14,7 @@ from heads.attention import GROUPED_SDPA, grouped_attention
 
 from .accept import Sampling
 from .calibrate import calibrated_tree
+from .compiled import background_compile_paused
 from .compiled_heads import warm_up
 from .drafters import (
     Drafter,
@@ -80,15 +81,16 @@ def generate(
         raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
     ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
-    chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
-    generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
-    eos = to_device(_eos_ids(model), model.device)
-    if streamer is not None:
-        streamer.put(ids[0][None].cpu())
-    with grouped_attention(model):  # the same attention, without copying keys and values for every query head
-        decoded = decode(
-            model, chosen.drafter, ids, max_new_tokens, sampling, generators, eos, chosen.fallback, rows, streamer
-        )
+    with background_compile_paused(model):  # a package compiling beside this call would slow its passes ~10x
+        chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
+        generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
+        eos = to_device(_eos_ids(model), model.device)
+        if streamer is not None:
+            streamer.put(ids[0][None].cpu())
+        with grouped_attention(model):  # the same attention, without copying keys and values for every query head
+            decoded = decode(
+                model, chosen.drafter, ids, max_new_tokens, sampling, generators, eos, chosen.fallback, rows, streamer
+            )
     chosen.remember()
     if streamer is not None:
         streamer.end()

@@ -4,8 +4,10 @@ A tiny model compiles in about 20 s; the package lands in a temporary SPECHEADS_
 the same weights loads it instead of compiling.
 """
 
+import importlib
 import os
 import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -268,7 +270,7 @@ def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(c
     kept = tmp_path / landed.name
     marker = compiled._compiling_marker(landed)
     shutil.move(landed, kept)  # the cache as it is while another process compiles it
-    marker.write_text(str(os.getpid()))  # (a live process)
+    marker.write_text(f"{os.getpid()} {os.getppid()}")  # (a live process)
     try:
         monkeypatch.setattr(compiled, "_compile_package", compiles)
         again = compile_target(tiny_model("llama"))
@@ -280,9 +282,32 @@ def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(c
         shutil.move(kept, landed)
         assert generate(again, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == reference
         assert passes.narrow_path == landed and passes.narrow_pending is None, "the next call took it up"
-        marker.write_text("999999999")  # no such process: a compile that ended without removing its marker
+        marker.write_text("999999999 1")  # no such process: a compile that ended without removing its marker
         assert not compiled._compiling_elsewhere(landed)
     finally:
         marker.unlink(missing_ok=True)
         if kept.exists():
             shutil.move(kept, landed)
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_a_background_compile_is_stopped_while_a_call_generates(monkeypatch):
+    model = compile_target(tiny_model("llama", seed=13))
+    passes = decoding_pass(model)
+    monkeypatch.setattr(passes, "ready", lambda *args, **kwargs: False)  # decodes eagerly: nothing compiles here
+    passes.helper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # stands in for the helper
+    states = []
+    decoding = importlib.import_module("inference.generate")
+    monkeypatch.setattr(decoding, "decode", lambda *args, **kwargs: states.append(_state(passes.helper.pid)))
+    try:
+        with pytest.raises(TypeError):  # the stand-in decode returns nothing to read
+            generate(model, None, [1, 2, 3], max_new_tokens=4)
+        assert states == ["T"], "stopped while the call decoded"
+        assert _state(passes.helper.pid) in "SR", "and resumed after it, even though it failed"
+    finally:
+        passes.helper.kill()
+        passes.helper.wait()
