@@ -17,9 +17,11 @@ nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms agai
 wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
 head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. Compiling takes about two minutes on 2 CPU cores (127-135 s for SmolLM2-135M's two
-packages and its EAGLE head's on a 2-core EPYC: a second process compiles the narrow package meanwhile, and on a
-fresh machine first builds the C++ headers every package shares); the result is kept on disk (under
+decoding in float32 on dev. The first call waits one and a half to two minutes on 2 CPU cores (95-125 s for
+SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's package every pass can run through
+and the head's, which a second process compiles meanwhile (on a fresh machine after building the C++ headers
+every package shares); that process then compiles the narrow package in the background, stopped while a call of
+this process generates, and the calls that start after it lands run through it. The result is kept on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
 versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
 eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason.
@@ -535,10 +537,10 @@ def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratc
 
 
 def _lowest_priority() -> None:
-    """Run this process (every thread of it, and the compilers it starts) only on CPU time nothing else wants. With
-    nice 19 alone, the first call's calibration beside it took 66-73 s instead of 6 (2-core EPYC, Linux 6.18): a
-    woken thread of the decoding process waited for the compiling one's time slice. SCHED_IDLE is preempted at
-    once."""
+    """Run this process (every thread of it, and the compilers it starts) only on CPU time nothing else wants
+    (SCHED_IDLE), so that it stands aside for whatever else the machine runs. That is not enough for the process
+    that started it: beside it, that process's passes still ran ~10x slower, so its generate() calls stop it
+    meanwhile (background_compile_paused)."""
     if not hasattr(os, "sched_setscheduler"):  # not on Linux
         os.nice(19)
         return
