@@ -542,7 +542,8 @@ def _lowest_priority() -> None:
     that started it: beside it, that process's passes still ran ~10x slower, so its generate() calls stop it
     meanwhile (background_compile_paused)."""
     if not hasattr(os, "sched_setscheduler"):  # not on Linux
-        os.nice(19)
+        if hasattr(os, "nice"):
+            os.nice(19)
         return
     for thread in os.listdir("/proc/self/task"):
         os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
@@ -555,6 +556,8 @@ def _compiling_marker(package: Path) -> Path:
 def _compiling_elsewhere(package: Path) -> bool:
     """Whether a live helper process (this one's or another's) is compiling the package at `package`. One that the
     process which started it left stopped (background_compile_paused, then killed) is resumed."""
+    if os.name != "posix":  # no signals to ask a process whether it lives
+        return False
     try:
         helper, starter = (int(pid) for pid in _compiling_marker(package).read_text().split())
         os.kill(helper, 0)
