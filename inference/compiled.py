@@ -560,11 +560,10 @@ def _compiling_elsewhere(package: Path) -> bool:
         return False
     try:
         helper, starter = (int(pid) for pid in _compiling_marker(package).read_text().split())
-        os.kill(helper, 0)
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except (FileNotFoundError, ValueError):
         return False
-    except PermissionError:  # alive, another user's
-        return True
+    if not _alive(helper):
+        return False
     if not _alive(starter):
         _signal_helper_group(helper, signal.SIGCONT)
     return True
@@ -575,7 +574,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # alive, another user's
         return True
     return True
 
