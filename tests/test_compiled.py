@@ -307,7 +307,7 @@ def test_a_background_compile_is_stopped_while_a_call_generates(monkeypatch):
         with pytest.raises(TypeError):  # the stand-in decode returns nothing to read
             generate(model, None, [1, 2, 3], max_new_tokens=4)
         assert states == ["T"], "stopped while the call decoded"
-        assert _state(passes.helper.pid) in "SR", "and resumed after it, even though it failed"
+        assert _state(passes.helper.pid) != "T", "and resumed after it, even though it failed"
     finally:
         passes.helper.kill()
         passes.helper.wait()
