@@ -8,6 +8,7 @@ import importlib
 import os
 import shutil
 import subprocess
+import time
 import warnings
 
 import pytest
@@ -294,6 +295,15 @@ def _state(pid: int) -> str:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
+def _state_within(pid: int, wanted: str, seconds: float = 10.0) -> str:
+    """The process's state once it reads `wanted`, or the last one read after `seconds`: a signal takes effect
+    only when the process next runs, and on a loaded machine it may wait for a core ('R' until then)."""
+    deadline = time.monotonic() + seconds
+    while (state := _state(pid)) != wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
 def test_a_background_compile_is_stopped_while_a_call_generates(monkeypatch):
     model = compile_target(tiny_model("llama", seed=13))
@@ -302,7 +312,11 @@ def test_a_background_compile_is_stopped_while_a_call_generates(monkeypatch):
     passes.helper = subprocess.Popen(["sleep", "60"], start_new_session=True)  # stands in for the helper
     states = []
     decoding = importlib.import_module("inference.generate")
-    monkeypatch.setattr(decoding, "decode", lambda *args, **kwargs: states.append(_state(passes.helper.pid)))
+
+    def stand_in_decode(*args, **kwargs):
+        states.append(_state_within(passes.helper.pid, "T"))
+
+    monkeypatch.setattr(decoding, "decode", stand_in_decode)
     try:
         with pytest.raises(TypeError):  # the stand-in decode returns nothing to read
             generate(model, None, [1, 2, 3], max_new_tokens=4)
