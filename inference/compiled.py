@@ -302,7 +302,10 @@ class CompiledPasses:
                     stacklevel=4,
                 )
         compiles = self.runner is None
-        if compiles or (narrow is not None and not narrow.exists() and not _compiling_elsewhere(narrow)):
+        if narrow is not None and not narrow.exists() and _failed_marker(narrow).exists():
+            warnings.warn(_narrow_failed_before(narrow), stacklevel=4)
+            narrow = None  # the other package serves every pass
+        if compiles or _narrow_to_compile(narrow):
             alongside = [
                 p for p in alongside if p.runner is None and p.failed is None and not p.package_path().exists()
             ]
@@ -371,6 +374,9 @@ class CompiledPasses:
 def _load_narrow(path: Path):
     """The narrow passes' package, or None (after a warning: the wide package serves every pass) when it was not
     compiled or does not load."""
+    if not path.exists() and _failed_marker(path).exists():
+        warnings.warn(_narrow_failed_before(path), stacklevel=5)
+        return None
     try:
         return torch._inductor.aoti_load_package(str(path))
     except (RuntimeError, OSError) as error:
@@ -392,7 +398,8 @@ def logits_positions(logits_to_keep, new: int, device) -> torch.Tensor:
 
 
 def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]  # some start with a blank line
+    return lines[0] if lines else type(error).__name__
 
 
 def _export(
@@ -431,7 +438,7 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue  # left to its own `ready`, which compiles it again or says why not
         jobs = list(heads)
-        if narrow is not None and not narrow.exists() and not _compiling_elsewhere(narrow):
+        if _narrow_to_compile(narrow):
             jobs.append(_saved_job(program, scratch, narrow, narrow=True))
     helper = _start_helper(device, jobs, scratch)
     if helper is None:
@@ -527,8 +534,12 @@ def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratc
                 program = torch.export.load(saved)
                 Path(saved).unlink()
                 _package(program, Path(package), threads, narrow)
-            except (*COMPILE_ERRORS, RuntimeError, OSError):
+            except (*COMPILE_ERRORS, RuntimeError) as error:
+                if narrow:  # recorded, so that later processes do not spend minutes failing again
+                    _failed_marker(Path(package)).write_text(f"{type(error).__name__}: {_first_line(error)}")
                 continue  # the next job may still compile; a missing package is compiled or done without
+            except OSError:
+                continue  # a file or the disk, not the program: the next process tries again
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
@@ -551,6 +562,32 @@ def _lowest_priority() -> None:
 
 def _compiling_marker(package: Path) -> Path:
     return package.with_name(package.name + ".compiling")
+
+
+def _failed_marker(package: Path) -> Path:
+    """A file beside a narrow passes' package whose compile failed, holding the reason. It is keyed like the
+    package (library versions, CPU, threads), so an upgrade tries again; deleting it does too."""
+    return package.with_name(package.name + ".failed")
+
+
+def _narrow_failed_before(package: Path) -> str:
+    marker = _failed_marker(package)
+    return (
+        f"the package for passes of up to {NARROW_TOKENS} tokens failed to compile on this machine "
+        f"({marker.read_text().strip()}); those passes run through the other package, more slowly. "
+        f"To try compiling it again, delete {marker}"
+    )
+
+
+def _narrow_to_compile(narrow: Path | None) -> bool:
+    """Whether the narrow passes' package at `narrow` is to be compiled: it is missing, no process is compiling it
+    and no compile of it failed before."""
+    return (
+        narrow is not None
+        and not narrow.exists()
+        and not _compiling_elsewhere(narrow)
+        and not _failed_marker(narrow).exists()
+    )
 
 
 def _compiling_elsewhere(package: Path) -> bool:

@@ -291,6 +291,39 @@ def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(c
             shutil.move(kept, landed)
 
 
+def test_a_failed_narrow_compile_is_recorded_and_not_tried_again(compiled_llama, monkeypatch, tmp_path):
+    def fails(*args, **kwargs):
+        raise torch._inductor.exc.CppCompileError(["g++"], "internal compiler error")
+
+    def compiles(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    landed = decoding_pass(compiled_llama).narrow_path
+    kept, failed = tmp_path / landed.name, compiled._failed_marker(landed)
+    shutil.move(landed, kept)
+    try:
+        # the helper's side, run here: the narrow package's compile fails, and it writes down why
+        monkeypatch.setattr(compiled, "_lowest_priority", lambda: None)
+        monkeypatch.setattr(compiled.torch.export, "load", lambda saved: None)
+        monkeypatch.setattr(compiled, "_package", fails)
+        saved = tmp_path / "program.pt2"
+        saved.touch()
+        compiled.run_helper(None, [(str(saved), str(landed), torch.get_num_threads(), True)])
+        assert failed.read_text() == "CppCompileError: C++ compile error"
+        # a later process compiles nothing, says once why those passes run through the other package, and decodes
+        monkeypatch.setattr(compiled, "_compile_package", compiles)
+        again = compile_target(tiny_model("llama"))
+        prompt = random_prompts(again.config.vocab_size, 1, seed=10)[0]
+        with pytest.warns(UserWarning, match=r"failed to compile .*C\+\+ compile error.*To try .* again, delete"):
+            out = generate(again, None, prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == hf_greedy(again, prompt, NEW_TOKENS)
+        passes = decoding_pass(again)
+        assert passes.runner is not None and passes.narrow_runner is None and passes.narrow_pending is None
+    finally:
+        failed.unlink(missing_ok=True)
+        shutil.move(kept, landed)
+
+
 def _state(pid: int) -> str:
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
