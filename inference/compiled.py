@@ -24,7 +24,8 @@ every package shares); that process then compiles the narrow package in the back
 this process generates, and the calls that start after it lands run through it. The result is kept on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
 versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
-eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason.
+eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason; the
+failure is recorded beside where its package would be, so that later processes do not spend minutes failing again.
 """
 
 from __future__ import annotations
@@ -302,6 +303,9 @@ class CompiledPasses:
                     stacklevel=4,
                 )
         compiles = self.runner is None
+        if compiles and _failed_marker(path).exists():  # nothing to gain from minutes of failing again
+            marker = _failed_marker(path)
+            return self._fail(f"{marker.read_text().strip()}, when this machine tried; to try again, delete {marker}")
         if narrow is not None and not narrow.exists() and _failed_marker(narrow).exists():
             warnings.warn(_narrow_failed_before(narrow), stacklevel=4)
             narrow = None  # the other package serves every pass
@@ -322,7 +326,9 @@ class CompiledPasses:
                 self.helper = _compile_package(self, path, alongside)
             except COMPILE_ERRORS as error:
                 if compiles:
-                    return self._fail(f"{type(error).__name__}: {_first_line(error)}")
+                    reason = f"{type(error).__name__}: {_first_line(error)}"
+                    _record_failure(path, reason)
+                    return self._fail(reason)
                 narrow = None  # the other package serves every pass
             if compiles:
                 try:
@@ -535,8 +541,8 @@ def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratc
                 Path(saved).unlink()
                 _package(program, Path(package), threads, narrow)
             except (*COMPILE_ERRORS, RuntimeError) as error:
-                if narrow:  # recorded, so that later processes do not spend minutes failing again
-                    _failed_marker(Path(package)).write_text(f"{type(error).__name__}: {_first_line(error)}")
+                if narrow:  # a head's is compiled again by its own `ready`, which records a failure
+                    _record_failure(Path(package), f"{type(error).__name__}: {_first_line(error)}")
                 continue  # the next job may still compile; a missing package is compiled or done without
             except OSError:
                 continue  # a file or the disk, not the program: the next process tries again
@@ -565,9 +571,16 @@ def _compiling_marker(package: Path) -> Path:
 
 
 def _failed_marker(package: Path) -> Path:
-    """A file beside a narrow passes' package whose compile failed, holding the reason. It is keyed like the
-    package (library versions, CPU, threads), so an upgrade tries again; deleting it does too."""
+    """A file where a package would be whose compile failed, holding the reason, so that later processes do not
+    spend minutes failing again. It is named like the package (keyed by the library versions, the CPU, the
+    weights), so an upgrade tries again; deleting it does too."""
     return package.with_name(package.name + ".failed")
+
+
+def _record_failure(package: Path, reason: str) -> None:
+    with contextlib.suppress(OSError):  # unrecorded, the next process tries again
+        package.parent.mkdir(parents=True, exist_ok=True)
+        _failed_marker(package).write_text(reason)
 
 
 def _narrow_failed_before(package: Path) -> str:

@@ -204,6 +204,15 @@ def test_a_model_that_does_not_compile_decodes_eagerly_after_one_warning(package
         warnings.simplefilter("error")  # warned once: the next call decodes eagerly in silence
         generate(model, None, prompt, max_new_tokens=4)
 
+    def tries_again(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(compiled.torch.export, "export", tries_again)
+    again = compile_target(tiny_model("llama", seed=2))  # a later process: the failure was recorded
+    with pytest.warns(UserWarning, match=r"\(Unsupported: a graph break .*, when this machine tried; to try again"):
+        assert generate(again, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == out.token_ids
+    assert not is_compiled(again)
+
 
 def test_the_models_own_forward_stays_eager(compiled_llama):
     assert decoding_pass(compiled_llama) is not compiled_llama
