@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from tqdm import tqdm
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -323,7 +324,8 @@ class CompiledPasses:
                     flush=True,
                 )
             try:
-                self.helper = _compile_package(self, path, alongside)
+                with seconds_counted("  compiling", verbose):
+                    self.helper = _compile_package(self, path, alongside)
             except COMPILE_ERRORS as error:
                 if compiles:
                     reason = f"{type(error).__name__}: {_first_line(error)}"
@@ -350,20 +352,32 @@ class CompiledPasses:
             self.take_narrow()
         self.compile_seconds = time.perf_counter() - started
 
-    def take_narrow(self, wait: bool = False) -> None:
-        """Load the narrow passes' package if it has landed since (or, with `wait`, once it lands); until then every
-        pass runs through the other package. generate() calls it first (through warm_up), so that a package
-        compiled in the background serves the calls after it lands, each call's passes through the same ones."""
+    def take_narrow(self, wait: bool = False, verbose: bool = False) -> None:
+        """Load the narrow passes' package if it has landed since (or, with `wait`, once it lands, saying so on
+        stderr when `verbose`); until then every pass runs through the other package. generate() calls it first
+        (through warm_up), so that a package compiled in the background serves the calls after it lands, each
+        call's passes through the same ones."""
         narrow = self.narrow_pending
         if narrow is None:
             return
-        while True:
-            compiling = self._narrow_compiling(narrow)  # asked before looking for the file, which may land meanwhile
-            if narrow.exists() or not compiling:
-                break
-            if not wait:
-                return
-            time.sleep(0.2)
+        announced = False
+        with contextlib.ExitStack() as waiting:
+            while True:
+                compiling = self._narrow_compiling(narrow)  # asked before looking for the file, which may land now
+                if narrow.exists() or not compiling:
+                    break
+                if not wait:
+                    return
+                if verbose and not announced:
+                    print(
+                        f"waiting for the package for passes of up to {NARROW_TOKENS} tokens (compiling in the "
+                        "background)...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    waiting.enter_context(seconds_counted("  waiting"))
+                    announced = True
+                time.sleep(0.2)
         self.narrow_pending = None  # landed, or its compile ended without it (_load_narrow says so, once)
         self.narrow_runner = _load_narrow(narrow)
         self.narrow_path = narrow if self.narrow_runner is not None else None
@@ -375,6 +389,31 @@ class CompiledPasses:
         """Run eagerly from now on, after one warning naming the reason."""
         self.failed = reason
         warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
+
+
+@contextlib.contextmanager
+def seconds_counted(what: str, shown: bool = True, stream=None, every: float = 1.0):
+    """On a terminal, a line counting the seconds while the block runs (a compile of minutes shows that it goes
+    on); elsewhere (a log) nothing: the lines before and after say what ran and how long it took."""
+    stream = stream or sys.stderr
+    if not (shown and stream.isatty()):
+        yield
+        return
+    line = tqdm(desc=what, bar_format="{desc}: {elapsed}", file=stream, leave=False)
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(every):
+            line.refresh()
+
+    ticking = threading.Thread(target=tick, daemon=True)
+    ticking.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticking.join()
+        line.close()
 
 
 def _load_narrow(path: Path):
@@ -775,5 +814,5 @@ def warm_up_passes(model, heads: list[CompiledPasses] = (), *, verbose: bool = T
         passes.ready(verbose, alongside=list(heads))
         for head in heads:
             head.ready(verbose)
-    passes.take_narrow(wait=wait)
+    passes.take_narrow(wait=wait, verbose=verbose)
     return time.perf_counter() - started

@@ -5,6 +5,7 @@ the same weights loads it instead of compiling.
 """
 
 import importlib
+import io
 import os
 import shutil
 import subprocess
@@ -331,6 +332,23 @@ def test_a_failed_narrow_compile_is_recorded_and_not_tried_again(compiled_llama,
     finally:
         failed.unlink(missing_ok=True)
         shutil.move(kept, landed)
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_compile_on_a_terminal_counts_its_seconds_and_a_log_gets_no_counter():
+    terminal, log = Terminal(), io.StringIO()
+    with compiled.seconds_counted("  compiling", stream=terminal, every=0.05):
+        time.sleep(1.3)
+    with compiled.seconds_counted("  compiling", stream=log, every=0.05):
+        time.sleep(0.2)
+    shown = terminal.getvalue().split("\r")
+    assert "  compiling: 00:00" in shown and "  compiling: 00:01" in shown, "the seconds go on"
+    assert shown[-1] == "", "and the line is cleared at the end"
+    assert log.getvalue() == ""
 
 
 def _state(pid: int) -> str:
