@@ -328,7 +328,7 @@ class CompiledPasses:
                     self.helper = _compile_package(self, path, alongside)
             except COMPILE_ERRORS as error:
                 if compiles:
-                    reason = f"{type(error).__name__}: {_first_line(error)}"
+                    reason = _reason(error)
                     _record_failure(path, reason)
                     return self._fail(reason)
                 narrow = None  # the other package serves every pass
@@ -360,23 +360,20 @@ class CompiledPasses:
         narrow = self.narrow_pending
         if narrow is None:
             return
-        announced = False
-        with contextlib.ExitStack() as waiting:
+        shown = wait and verbose and self._narrow_compiling(narrow) and not narrow.exists()
+        if shown:
+            print(
+                f"waiting for the package for passes of up to {NARROW_TOKENS} tokens (compiling in the background)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        with seconds_counted("  waiting", shown):
             while True:
                 compiling = self._narrow_compiling(narrow)  # asked before looking for the file, which may land now
                 if narrow.exists() or not compiling:
                     break
                 if not wait:
                     return
-                if verbose and not announced:
-                    print(
-                        f"waiting for the package for passes of up to {NARROW_TOKENS} tokens (compiling in the "
-                        "background)...",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    waiting.enter_context(seconds_counted("  waiting"))
-                    announced = True
                 time.sleep(0.2)
         self.narrow_pending = None  # landed, or its compile ended without it (_load_narrow says so, once)
         self.narrow_runner = _load_narrow(narrow)
@@ -445,6 +442,11 @@ def logits_positions(logits_to_keep, new: int, device) -> torch.Tensor:
 def _first_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]  # some start with a blank line
     return lines[0] if lines else type(error).__name__
+
+
+def _reason(error: Exception) -> str:
+    """Why a compile failed, in one line (the warning's, and the failure record's)."""
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _export(
@@ -581,7 +583,7 @@ def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratc
                 _package(program, Path(package), threads, narrow)
             except (*COMPILE_ERRORS, RuntimeError) as error:
                 if narrow:  # a head's is compiled again by its own `ready`, which records a failure
-                    _record_failure(Path(package), f"{type(error).__name__}: {_first_line(error)}")
+                    _record_failure(Path(package), _reason(error))
                 continue  # the next job may still compile; a missing package is compiled or done without
             except OSError:
                 continue  # a file or the disk, not the program: the next process tries again
