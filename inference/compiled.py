@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -54,6 +55,7 @@ from heads.attention import grouped_attention
 from heads.eagle import causal_mask
 
 from .cache import position_cache
+from .split_program import HalvesRunner, split_program
 from .target import cache_root
 
 FORMAT = 5  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
@@ -170,8 +172,9 @@ class CompiledPasses:
     NARROW_TOKENS tokens in all); compiles or loads them on first use. Falls back to the eager model, once and with a
     warning, if exporting or compiling fails."""
 
-    what, takes = "the target's decoding pass", "two or three minutes"  # for the progress line
+    what, takes = "the target's decoding pass", "one and a half minutes"  # for the progress line
     narrow_passes = True  # a second package for passes of at most NARROW_TOKENS tokens, on a CPU
+    split_passes = True  # on a CPU, compiled in two halves by two processes at once (split_program)
 
     def __init__(self, module):
         self.module = module
@@ -296,9 +299,9 @@ class CompiledPasses:
         narrow = self.narrow_package_path(path)
         if path.exists():
             try:
-                self.runner = torch._inductor.aoti_load_package(str(path))
-            except RuntimeError as error:  # a package this machine cannot load (copied from another, say)
-                path.unlink(missing_ok=True)
+                self.runner = _load_package(path)
+            except (RuntimeError, OSError) as error:  # a package this machine cannot load (copied from another, say)
+                _delete_package(path)
                 warnings.warn(
                     f"could not load the compiled package {path} ({_first_line(error)}); compiling it again",
                     stacklevel=4,
@@ -334,9 +337,9 @@ class CompiledPasses:
                 narrow = None  # the other package serves every pass
             if compiles:
                 try:
-                    self.runner = torch._inductor.aoti_load_package(str(path))
-                except RuntimeError as error:  # just compiled and still unloadable: decode eagerly
-                    path.unlink(missing_ok=True)
+                    self.runner = _load_package(path)
+                except (RuntimeError, OSError) as error:  # just compiled and still unloadable: decode eagerly
+                    _delete_package(path)
                     return self._fail(f"the compiled package does not load: {_first_line(error)}")
             if verbose:
                 background = (
@@ -413,6 +416,29 @@ def seconds_counted(what: str, shown: bool = True, stream=None, every: float = 1
         line.close()
 
 
+def _halves_paths(path: Path) -> tuple[Path, Path]:
+    """Where a package compiled in two halves (split_program) keeps its second half and the wiring; the first half
+    is the package at `path` itself, which lands last."""
+    return path.with_name(f"{path.stem}-second.pt2"), path.with_suffix(".json")
+
+
+def _load_package(path: Path):
+    """The package at `path`, or the two halves it was compiled in, run as one (HalvesRunner)."""
+    second, wiring = _halves_paths(path)
+    if not wiring.exists():
+        return torch._inductor.aoti_load_package(str(path))
+    return HalvesRunner(
+        torch._inductor.aoti_load_package(str(path)),
+        torch._inductor.aoti_load_package(str(second)),
+        json.loads(wiring.read_text()),
+    )
+
+
+def _delete_package(path: Path) -> None:
+    for part in (path, *_halves_paths(path)):
+        part.unlink(missing_ok=True)
+
+
 def _load_narrow(path: Path):
     """The narrow passes' package, or None (after a warning: the wide package serves every pass) when it was not
     compiled or does not load."""
@@ -469,34 +495,53 @@ def _export(
 
 def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()):
     """Export the pass and compile it into the package at `path` (atomically, where it is missing). On a CPU a
-    second process compiles, meanwhile, the packages of the passes `alongside` (a head's), which this waits for,
-    then the narrow passes' package (where it is missing), which it leaves compiling in the background at the
-    lowest priority: returns that process while it does (None otherwise). Elsewhere the heads' packages compile
-    here, after the target's."""
+    second process compiles, meanwhile, the packages of the passes `alongside` (a head's) and the second half of the
+    target's program (split_program: its inductor work grows with the graph, so two processes compiling a half each
+    take about two thirds of the time), both of which this waits for; then the narrow passes' package (where it is
+    missing), which it leaves compiling in the background at the lowest priority: returns that process while it
+    does (None otherwise). Elsewhere the whole program, then the heads', compile here."""
     narrow = passes.narrow_package_path(path)
     device = next(passes.module.parameters()).device
     program = passes.export()
     scratch = Path(tempfile.mkdtemp(prefix="specheads-programs-"))  # the helper's, which deletes it
-    jobs, heads = [], []
+    halves, jobs, narrow_job = None, [], None
     if device.type == "cpu":
         for other in alongside:
             try:
-                heads.append(_saved_job(other.export(), scratch, other.package_path()))
+                jobs.append(_saved_job(other.export(), scratch, other.package_path()))
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue  # left to its own `ready`, which compiles it again or says why not
-        jobs = list(heads)
+        if passes.split_passes and not path.exists():
+            halves = split_program(program, share=_first_share(len(jobs), _headers_to_build()))
+        if halves is not None:
+            jobs.append(_saved_job(halves.second, scratch, _halves_paths(path)[0]))
         if _narrow_to_compile(narrow):
-            jobs.append(_saved_job(program, scratch, narrow, narrow=True))
+            narrow_job = _job(scratch, narrow, narrow=True)  # its program is saved once this process has compiled
+            jobs.append(narrow_job)
+    waited = [Path(package) for _, package, _, is_narrow in jobs if not is_narrow]
     helper = _start_helper(device, jobs, scratch)
     if helper is None:
         shutil.rmtree(scratch, ignore_errors=True)
-    if not path.exists():
-        try:
+    try:
+        if halves is not None:
+            first = path.with_name(f"{path.stem}-first.pt2")
+            _package(halves.first, first)
+        elif not path.exists():
             _package(program, path)
-        except BaseException:
-            if helper is not None:
-                helper.kill()  # its packages would serve a target that decodes eagerly
-            raise
+        if narrow_job is not None:
+            _save(program, Path(narrow_job[0]))
+        if halves is not None:
+            second, wiring = _halves_paths(path)
+            _wait_for_packages([second], helper)
+            if not second.exists():  # the helper failed it or was killed: compile it here (or raise the reason)
+                _failed_marker(second).unlink(missing_ok=True)
+                _package(halves.second, second)
+            halves.save_wiring(wiring)
+            os.replace(first, path)  # the package is whole once its first half is where it belongs
+    except BaseException:
+        if helper is not None:
+            helper.kill()  # its packages would serve a target that decodes eagerly
+        raise
     if helper is None:
         for other in alongside:
             try:
@@ -504,17 +549,43 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue
         return None
-    while helper.poll() is None and not all(Path(job[1]).exists() for job in heads):
-        time.sleep(0.1)  # a head's package it failed to compile is compiled by that head's own `ready`
+    _wait_for_packages(waited, helper)  # a head's package it failed is compiled, or refused, by the head's `ready`
     return helper if helper.poll() is None else None
 
 
+def _first_share(heads: int, headers: bool) -> float:
+    """The share of the target's blocks this process compiles: more than half when the helper, which compiles the
+    rest, first compiles `heads` heads' packages (an EAGLE head's 17 s, some six decoder layers of SmolLM2-135M's 2.7
+    s) and builds the C++ headers (about 30 s), so that both processes finish at about the same time."""
+    return min(0.8, 0.5 + 0.08 * heads + (0.25 if headers else 0.0))
+
+
+def _wait_for_packages(packages: list[Path], helper: subprocess.Popen | None) -> None:
+    """Wait until each package has landed or failed to compile (_failed_marker), or the helper has ended."""
+    while helper is not None and helper.poll() is None:
+        if all(p.exists() or _failed_marker(p).exists() for p in packages):
+            return
+        time.sleep(0.1)
+
+
+def _job(scratch: Path, package: Path, narrow: bool = False) -> tuple[str, str, int, bool]:
+    """A helper's job: the program saved as `scratch`/<package's name>, compiled into `package` with this process's
+    threads (which the kernels are generated for: the helper runs on one), as the narrow passes' package or the
+    other kind."""
+    return str(scratch / f"{package.stem}.pt2"), str(package), torch.get_num_threads(), narrow
+
+
 def _saved_job(program, scratch: Path, package: Path, narrow: bool = False) -> tuple[str, str, int, bool]:
-    """A helper's job: `program` saved into `scratch`, compiled into `package` with this process's threads (which
-    the kernels are generated for: the helper runs on one), as the narrow passes' package or the other kind."""
-    saved = scratch / f"{package.stem}.pt2"
-    torch.export.save(program, saved)
-    return str(saved), str(package), torch.get_num_threads(), narrow
+    job = _job(scratch, package, narrow)
+    _save(program, Path(job[0]))
+    return job
+
+
+def _save(program, saved: Path) -> None:
+    """torch.export.save, atomically: the helper takes the file as soon as it is there."""
+    staging = saved.with_name(f".{saved.stem}.tmp.pt2")
+    torch.export.save(program, staging)
+    os.replace(staging, saved)
 
 
 def _package(program, path: Path, threads: int | None = None, narrow: bool = False) -> None:
@@ -547,7 +618,7 @@ def _start_helper(
     so that a package it is compiling in the background is finished even when this process ends first; nothing
     depends on it: a header it did not build is built by the process that needs it, a head's package it did not
     compile is compiled by that head's `ready`, and without the narrow package every pass runs through the other."""
-    build_headers = torch._inductor.config.aot_inductor.precompile_headers and not _headers_built_marker().exists()
+    build_headers = _headers_to_build()
     if device.type != "cpu" or not (build_headers or jobs):
         return None
     built = str(_headers_built_marker()) if build_headers else None
@@ -569,24 +640,29 @@ def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratc
     each job's saved program compiled into its package; a narrow package's compile is announced by a marker file
     (_compiling_elsewhere) so that other processes wait for it instead of compiling it too."""
     markers = [_compiling_marker(Path(package)) for _, package, _, narrow in jobs if narrow]
+    starter = os.getppid()
     try:
         for marker in markers:
-            marker.write_text(f"{os.getpid()} {os.getppid()}")  # this process, and the one that started it
+            marker.write_text(f"{os.getpid()} {starter}")  # this process, and the one that started it
         if built is not None:
             compile_tiny_package(built)
         for saved, package, threads, narrow in jobs:
             if narrow:
                 _lowest_priority()  # it compiles while the first process decodes: only on what that leaves idle
+            while not Path(saved).exists():  # saved by the first process once it has compiled its own
+                if not _alive(starter):
+                    return
+                time.sleep(0.2)
             try:
                 program = torch.export.load(saved)
                 Path(saved).unlink()
                 _package(program, Path(package), threads, narrow)
-            except (*COMPILE_ERRORS, RuntimeError) as error:
-                if narrow:  # a head's is compiled again by its own `ready`, which records a failure
+            except (*COMPILE_ERRORS, RuntimeError, OSError) as error:
+                # recorded, so that the first process stops waiting for it (it compiles a half again itself, a
+                # head's `ready` says why not); a file or the disk is left to the next process's narrow compile
+                if not (narrow and isinstance(error, OSError)):
                     _record_failure(Path(package), _reason(error))
-                continue  # the next job may still compile; a missing package is compiled or done without
-            except OSError:
-                continue  # a file or the disk, not the program: the next process tries again
+                continue  # the next job may still compile
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
@@ -668,6 +744,10 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def _headers_to_build() -> bool:
+    return torch._inductor.config.aot_inductor.precompile_headers and not _headers_built_marker().exists()
 
 
 def _headers_built_marker() -> Path:

@@ -62,6 +62,7 @@ class CompiledHead(CompiledPasses):
 
     what, takes = "the EAGLE head's pass", "about 15 s"
     narrow_passes = False  # one layer's weights: the CPU's caches hold them
+    split_passes = False
     fuse = None  # the head's feature fusion, its weight packed (inference.packed) at its first use
 
     def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
@@ -138,6 +139,7 @@ class CompiledEarlyExit(CompiledPasses):
 
     what, takes = "the early-exit draft's pass", "under a minute"
     narrow_passes = False
+    split_passes = False  # a few layers: compiled beside the target's
 
     def __call__(self, input_ids, *, position_ids, attention_mask=None, cache=None):
         head = self.module

@@ -30,6 +30,7 @@ from inference import (
 )
 from inference.compiled import decoding_pass, is_compiled, package_path
 from inference.padding import prefill_groups
+from inference.split_program import HalvesRunner
 from inference.tree_size import default_accuracy
 from test_early_exit import early_exit
 from test_exactness_tiny import random_prompts
@@ -242,7 +243,7 @@ def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_p
     assert compiled._start_helper(torch.device("meta")) is None  # only CPU packages share those headers
 
 
-def test_the_helper_compiles_the_head_beside_the_target_then_the_narrow_package_in_the_background(
+def test_the_helper_compiles_the_head_and_the_second_half_beside_the_target_then_the_narrow_package(
     package_cache, monkeypatch
 ):
     model = compile_target(tiny_model("llama", seed=11))
@@ -258,7 +259,10 @@ def test_the_helper_compiles_the_head_beside_the_target_then_the_narrow_package_
     assert warm_up(model, head, verbose=False) > 0
     passes, target = compiled_heads.compiled_head(head, model), decoding_pass(model)
     narrow = target.narrow_package_path()
-    assert compiled_here == [package_path(model)], "the head's and the narrow package came from the other process"
+    path = package_path(model)
+    second, wiring = compiled._halves_paths(path)
+    assert compiled_here == [path.with_name(f"{path.stem}-first.pt2")], "the rest came from the other process"
+    assert path.exists() and second.exists() and wiring.exists() and isinstance(target.runner, HalvesRunner)
     assert passes.runner is not None and passes.path.exists() and is_compiled(model)
     assert target.narrow_runner is not None or target.narrow_pending == narrow  # landed already, or still compiling
     warm_up(model, head, verbose=False, wait=True)
@@ -271,6 +275,24 @@ def test_the_helper_compiles_the_head_beside_the_target_then_the_narrow_package_
         model, head, prompt, max_new_tokens=NEW_TOKENS, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=6), fallback=False
     )
     assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS) and shapes, "it drafted through the package"
+
+
+def test_a_second_half_the_helper_did_not_compile_is_compiled_here(package_cache, monkeypatch):
+    model = without_narrow_package(tiny_model("llama", seed=12))
+    compiled_here = []
+    package = compiled._package
+    monkeypatch.setattr(
+        compiled,
+        "_package",
+        lambda program, path, *options: compiled_here.append(path) or package(program, path, *options),
+    )
+    monkeypatch.setattr(compiled, "_start_helper", lambda *args: None)  # a helper that was killed, say
+    assert warm_up(model, verbose=False) > 0 and is_compiled(model)
+    path = package_path(model)
+    second, _ = compiled._halves_paths(path)
+    assert compiled_here == [path.with_name(f"{path.stem}-first.pt2"), second]
+    prompt = random_prompts(model.config.vocab_size, 1, seed=12)[0]
+    assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
 
 
 def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(compiled_llama, monkeypatch, tmp_path):
