@@ -235,7 +235,7 @@ def test_a_package_that_does_not_load_is_compiled_again(package_cache):
 
 def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_path):
     # nothing waits on its success (inductor builds the headers itself when it fails), so only this sees it break
-    monkeypatch.setattr(compiled, "default_cache_dir", lambda: str(tmp_path))  # where its marker goes
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a machine whose inductor has built nothing yet
     process = compiled._start_helper(torch.device("cpu"))
     assert process is not None and process.wait(timeout=600) == 0
     assert compiled._headers_built_marker().exists()
