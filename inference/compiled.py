@@ -417,26 +417,43 @@ def seconds_counted(what: str, shown: bool = True, stream=None, every: float = 1
         line.close()
 
 
-def _halves_paths(path: Path) -> tuple[Path, Path]:
-    """Where a package compiled in two halves (split_program) keeps its second half and the wiring; the first half
-    is the package at `path` itself, which lands last."""
-    return path.with_name(f"{path.stem}-second.pt2"), path.with_suffix(".json")
+def _wiring_path(path: Path) -> Path:
+    """Where a package compiled in two halves (split_program) keeps their wiring; the first half is the package at
+    `path` itself, which lands last, and the wiring names the second half's file."""
+    return path.with_suffix(".json")
+
+
+def _second_half_path(path: Path, wiring: dict) -> Path:
+    """The second half's package, named by the cut it was compiled for: a second half left by an earlier process
+    serves only a first half cut at the same place."""
+    key = hashlib.blake2b(json.dumps(wiring, sort_keys=True).encode(), digest_size=6).hexdigest()
+    return path.with_name(f"{path.stem}-second-{key}.pt2")
+
+
+def _write_wiring(path: Path, wiring: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    staging.write_text(json.dumps(wiring))
+    os.replace(staging, path)
 
 
 def _load_package(path: Path):
     """The package at `path`, or the two halves it was compiled in, run as one (HalvesRunner)."""
-    second, wiring = _halves_paths(path)
-    if not wiring.exists():
+    if not _wiring_path(path).exists():
         return torch._inductor.aoti_load_package(str(path))
+    wiring = json.loads(_wiring_path(path).read_text())
+    if path.stat().st_size != wiring["first_bytes"]:  # two processes cut it differently, one's half over the other's
+        raise RuntimeError(f"the first half at {path} is not the one its wiring was written for")
     return HalvesRunner(
         torch._inductor.aoti_load_package(str(path)),
-        torch._inductor.aoti_load_package(str(second)),
-        json.loads(wiring.read_text()),
+        torch._inductor.aoti_load_package(str(path.with_name(wiring["second_package"]))),
+        wiring,
     )
 
 
 def _delete_package(path: Path) -> None:
-    for part in (path, *_halves_paths(path)):
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        path.with_name(json.loads(_wiring_path(path).read_text())["second_package"]).unlink(missing_ok=True)
+    for part in (path, _wiring_path(path)):
         part.unlink(missing_ok=True)
 
 
@@ -515,7 +532,8 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
         if passes.split_passes and not path.exists():
             halves = split_program(program, share=_first_share(len(jobs), _headers_to_build()))
         if halves is not None:
-            jobs.append(_saved_job(halves.second, scratch, _halves_paths(path)[0]))
+            second = _second_half_path(path, halves.wiring)
+            jobs.append(_saved_job(halves.second, scratch, second))
         if _narrow_to_compile(narrow):
             narrow_job = _job(scratch, narrow, narrow=True)  # its program is saved once this process has compiled
             jobs.append(narrow_job)
@@ -523,25 +541,26 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
     helper = _start_helper(device, jobs, scratch)
     if helper is None:
         shutil.rmtree(scratch, ignore_errors=True)
+    first = path.with_name(f"{path.stem}-first.pt2")
     try:
         if halves is not None:
-            first = path.with_name(f"{path.stem}-first.pt2")
             _package(halves.first, first)
         elif not path.exists():
             _package(program, path)
         if narrow_job is not None:
             _save(program, Path(narrow_job[0]))
         if halves is not None:
-            second, wiring = _halves_paths(path)
             _wait_for_packages([second], helper)
             if not second.exists():  # the helper failed it or was killed: compile it here (or raise the reason)
                 _failed_marker(second).unlink(missing_ok=True)
                 _package(halves.second, second)
-            halves.save_wiring(wiring)
+            wiring = {**halves.wiring, "second_package": second.name, "first_bytes": first.stat().st_size}
+            _write_wiring(_wiring_path(path), wiring)
             os.replace(first, path)  # the package is whole once its first half is where it belongs
     except BaseException:
         if helper is not None:
             helper.kill()  # its packages would serve a target that decodes eagerly
+        first.unlink(missing_ok=True)
         raise
     if helper is None:
         for other in alongside:

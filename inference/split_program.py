@@ -13,10 +13,7 @@ from its own inputs). `HalvesRunner` runs the two compiled halves as the whole p
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
@@ -37,19 +34,13 @@ _INPUT_ORDER = {InputKind.PARAMETER: 0, InputKind.BUFFER: 1, InputKind.CONSTANT_
 
 @dataclass
 class ProgramHalves:
-    """The two halves of a program and how they connect: the whole program's inputs (by name, in its flat order)
-    feed both; the first half's first len(crossing) outputs feed the second; each of the whole's outputs is
-    ("first" | "second", index) of a half's outputs."""
+    """The two halves of a program and how they connect (`wiring`, plain JSON): the whole program's inputs (by
+    name, in its flat order) feed both; the first half's first len(crossing) outputs feed the second; each of the
+    whole's outputs is ("first" | "second", index) of a half's outputs; "cut" names the second half's first block."""
 
     first: ExportedProgram
     second: ExportedProgram
     wiring: dict
-
-    def save_wiring(self, path: Path) -> None:
-        """Write the wiring as JSON, atomically."""
-        staging = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        staging.write_text(json.dumps(self.wiring))
-        os.replace(staging, path)
 
 
 def _block(node: torch.fx.Node) -> str | None:
@@ -108,6 +99,7 @@ def split_program(program: ExportedProgram, share: float = 0.5) -> ProgramHalves
     first_program = _program(program, first, first_outputs, [], _sizes_for(first, nodes, sizes))
     second_program = _program(program, second, second_outputs, crossing, _sizes_for(second, nodes, sizes))
     wiring = {
+        "cut": start,
         "inputs": [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT],
         "first": _user_inputs(first_program),
         "second": _user_inputs(second_program),

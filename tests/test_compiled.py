@@ -6,6 +6,7 @@ the same weights loads it instead of compiling.
 
 import importlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -260,9 +261,9 @@ def test_the_helper_compiles_the_head_and_the_second_half_beside_the_target_then
     passes, target = compiled_heads.compiled_head(head, model), decoding_pass(model)
     narrow = target.narrow_package_path()
     path = package_path(model)
-    second, wiring = compiled._halves_paths(path)
+    second = path.with_name(json.loads(compiled._wiring_path(path).read_text())["second_package"])
     assert compiled_here == [path.with_name(f"{path.stem}-first.pt2")], "the rest came from the other process"
-    assert path.exists() and second.exists() and wiring.exists() and isinstance(target.runner, HalvesRunner)
+    assert path.exists() and second.exists() and isinstance(target.runner, HalvesRunner)
     assert passes.runner is not None and passes.path.exists() and is_compiled(model)
     assert target.narrow_runner is not None or target.narrow_pending == narrow  # landed already, or still compiling
     warm_up(model, head, verbose=False, wait=True)
@@ -288,11 +289,15 @@ def test_a_second_half_the_helper_did_not_compile_is_compiled_here(package_cache
     )
     monkeypatch.setattr(compiled, "_start_helper", lambda *args: None)  # a helper that was killed, say
     assert warm_up(model, verbose=False) > 0 and is_compiled(model)
-    path = package_path(model)
-    second, _ = compiled._halves_paths(path)
-    assert compiled_here == [path.with_name(f"{path.stem}-first.pt2"), second]
+    path, wiring_path = package_path(model), compiled._wiring_path(package_path(model))
+    wiring = json.loads(wiring_path.read_text())
+    assert compiled_here == [path.with_name(f"{path.stem}-first.pt2"), path.with_name(wiring["second_package"])]
     prompt = random_prompts(model.config.vocab_size, 1, seed=12)[0]
     assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    # a first half cut elsewhere (two processes compiling at once, say) is refused, not run with the wrong wiring
+    wiring_path.write_text(json.dumps({**wiring, "first_bytes": wiring["first_bytes"] + 1}))
+    with pytest.raises(RuntimeError, match="not the one its wiring was written for"):
+        compiled._load_package(path)
 
 
 def test_a_narrow_package_compiling_elsewhere_is_waited_for_not_compiled_again(compiled_llama, monkeypatch, tmp_path):
