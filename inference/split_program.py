@@ -44,8 +44,9 @@ class ProgramHalves:
 
 
 def _block(node: torch.fx.Node) -> str | None:
-    """The innermost module path of `node` that ends in an index (model.layers.7): one of the repeated blocks."""
-    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+    """The outermost module path of `node` that ends in an index (model.layers.7, not model.layers.7.experts.2):
+    one of the repeated blocks."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         if path.rsplit(".", 1)[-1].isdigit():
             return path
     return None
