@@ -17,7 +17,7 @@ nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms agai
 wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
 head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. The first call waits about a minute and a quarter on 2 CPU cores (72-91 s for
+decoding in float32 on dev. The first call waits about 80 s on 2 CPU cores (72-91 s for
 SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's package every pass can run through
 and the head's. The target's program is cut in two between its layers (split_program) and a second process
 compiles the head's package and the second half meanwhile (on a fresh machine after building the C++ headers
