@@ -59,7 +59,7 @@ from .cache import position_cache
 from .split_program import HalvesRunner, split_program
 from .target import cache_root
 
-FORMAT = 5  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
+FORMAT = 6  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
 # 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass. Linear layers reading the
 # same input (queries, keys and values; gate and up) as one matrix product: 2 kernel calls a layer fewer, a bfloat16
@@ -440,8 +440,12 @@ def _load_package(path: Path):
     """The package at `path`, or the two halves it was compiled in, run as one (HalvesRunner)."""
     if not _wiring_path(path).exists():
         return torch._inductor.aoti_load_package(str(path))
-    wiring = json.loads(_wiring_path(path).read_text())
-    if path.stat().st_size != wiring["first_bytes"]:  # two processes cut it differently, one's half over the other's
+    try:
+        wiring = json.loads(_wiring_path(path).read_text())
+        matches = path.stat().st_size == wiring["first_bytes"]  # not when two processes cut it differently
+    except (ValueError, KeyError) as error:
+        raise RuntimeError(f"the wiring of the package at {path} does not read ({error!r})") from error
+    if not matches:
         raise RuntimeError(f"the first half at {path} is not the one its wiring was written for")
     return HalvesRunner(
         torch._inductor.aoti_load_package(str(path)),
