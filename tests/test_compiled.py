@@ -234,6 +234,17 @@ def test_a_package_that_does_not_load_is_compiled_again(package_cache):
     assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
 
 
+def packages_compiled_here(monkeypatch) -> list:
+    """The paths of the packages this process compiles from now on, in order (not the helper process's)."""
+    compiled_here, package = [], compiled._package
+    monkeypatch.setattr(
+        compiled,
+        "_package",
+        lambda program, path, *options: compiled_here.append(path) or package(program, path, *options),
+    )
+    return compiled_here
+
+
 def test_the_helper_process_builds_the_headers_once_a_machine(monkeypatch, tmp_path):
     # nothing waits on its success (inductor builds the headers itself when it fails), so only this sees it break
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a machine whose inductor has built nothing yet
@@ -250,13 +261,7 @@ def test_the_helper_compiles_the_head_and_the_second_half_beside_the_target_then
     model = compile_target(tiny_model("llama", seed=11))
     torch.manual_seed(2)
     head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
-    compiled_here = []
-    package = compiled._package
-    monkeypatch.setattr(
-        compiled,
-        "_package",
-        lambda program, path, *options: compiled_here.append(path) or package(program, path, *options),
-    )
+    compiled_here = packages_compiled_here(monkeypatch)
     assert warm_up(model, head, verbose=False) > 0
     passes, target = compiled_heads.compiled_head(head, model), decoding_pass(model)
     narrow = target.narrow_package_path()
@@ -280,13 +285,7 @@ def test_the_helper_compiles_the_head_and_the_second_half_beside_the_target_then
 
 def test_a_second_half_the_helper_did_not_compile_is_compiled_here(package_cache, monkeypatch):
     model = without_narrow_package(tiny_model("llama", seed=12))
-    compiled_here = []
-    package = compiled._package
-    monkeypatch.setattr(
-        compiled,
-        "_package",
-        lambda program, path, *options: compiled_here.append(path) or package(program, path, *options),
-    )
+    compiled_here = packages_compiled_here(monkeypatch)
     monkeypatch.setattr(compiled, "_start_helper", lambda *args: None)  # a helper that was killed, say
     assert warm_up(model, verbose=False) > 0 and is_compiled(model)
     path, wiring_path = package_path(model), compiled._wiring_path(package_path(model))
