@@ -147,11 +147,11 @@ def test_eagle_drafter_state_and_trees_match_a_recomputation():
         assert drafter.rows[0].skipped == (0 if window is None else prompt.shape[0] - window)
 
 
-def _observed_drafters(model, head, prompt, trusted_ngram):
+def _observed_drafters(model, head, prompt, trusted_ngram, spec=None):
     """An EAGLE drafter and prompt lookup merged, having observed `prompt` as generate() would after its prefill."""
     from inference import MergedDrafter, PromptLookupDrafter
 
-    eagle = EagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=2, nodes=8))
+    eagle = EagleDrafter(head, model, spec or DynamicTreeSpec(depth=4, top_k=2, nodes=8))
     lookup = PromptLookupDrafter(trusted_ngram=trusted_ngram)
     merged = MergedDrafter([eagle, lookup])
     merged.reset()
@@ -182,6 +182,25 @@ def test_a_trusted_lookup_span_keeps_the_head_at_depth_one():
         assert int(on_chain.sum()) == chain.shape[0]  # the whole span is in the merged tree
         head_depth = int(tree.depth[~on_chain].max())
         assert (head_depth == 1) if head_limited else (head_depth > 1)
+
+
+def test_a_priced_tree_keeps_of_a_span_what_pays_for_its_pass():
+    """With measured pass costs (the default call's trees) one sequence's copied span is weighed against the head's
+    drafts as a batch's is, not merged whole: here a pass past four tokens costs ten one-token passes, so the tree
+    keeps the span's first three tokens (believed right half the time, each far likelier than a random head's
+    guesses) and nothing past them."""
+    from inference.tree_size import PassCost
+
+    model = tiny_model("llama", eos=None)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # lookup copies "8 9 5 6 7"
+    cost = PassCost(tokens=(1, 4, 5), relative=(1.0, 1.0, 10.0))
+    merged, _ = _observed_drafters(model, head, tokens[:-1], 3, DynamicTreeSpec(depth=4, top_k=2, nodes=8, cost=cost))
+    with torch.no_grad():
+        tree = merged.propose(tokens, max_depth=8)
+    assert tree.size == 4  # the root and three drafts: a fifth token would cost nine more passes
+    assert tree.tokens.tolist() == [7, 8, 9, 5] and tree.parents.tolist() == [-1, 0, 1, 2]
 
 
 def test_an_overconfident_head_is_discounted():

@@ -29,14 +29,16 @@ class PendingSpans:
 
 
 class MergedDrafter(Drafter):
-    """Drafters that read only tokens propose first. For one sequence, their spans are merged whole into the
-    head's tree, and when prompt lookup's span follows a long enough match (PromptLookupDrafter.trusts) the
+    """Drafters that read only tokens propose first. With a fixed tree, one sequence's spans are merged whole into
+    the head's tree, and when prompt lookup's span follows a long enough match (PromptLookupDrafter.trusts) the
     drafters with heads draft one level only: their depth-1 candidates cost a projection, deeper levels cost head
     passes, and beside a trusted span they rarely win a token. In a batch, where every row's tree is padded to the
-    widest, a head that grows dynamic trees weighs each row's spans against its drafts instead (graft_span):
-    the tokens a span adds to the head's drafts are scored by how often the tokens such spans added have been
-    right on this row (by the length of the n-gram matched; SPAN_PRIOR, decayed as the head's reliability is),
-    and the row keeps its likeliest nodes of both.
+    widest, and wherever the head's trees are priced (a measured cost: the default call), a head that grows dynamic
+    trees weighs each row's spans against its drafts instead (graft_span): the tokens a span adds to the head's
+    drafts are scored by how often the tokens such spans added have been right on this row (by the length of the
+    n-gram matched; SPAN_PRIOR, decayed as the head's reliability is), and the row keeps its likeliest nodes of
+    both, as many as pay for their verification. A whole span can cost more than it brings: with compiled passes on
+    a CPU, a pass past NARROW_TOKENS (inference.compiled) runs through the wider package, at 1.5x a one-token pass.
     """
 
     def __init__(self, drafters: Sequence[Drafter]):
@@ -100,7 +102,7 @@ class MergedDrafter(Drafter):
         if host_texts is None:  # outside the loop: read the texts back
             host_texts = [text.cpu().numpy() for text in texts]
         self._learn_from_spans(host_texts)
-        if self.grafts and len(texts) > 1:
+        if self.grafts and (len(texts) > 1 or self.head_drafters[0].spec.cost is not None):
             return self._propose_grafted(texts, max_depths, host_texts)
         spans, head_depths = [], []
         for text, host, max_depth in zip(texts, host_texts, max_depths):  # token drafters are asked row by row
@@ -127,18 +129,23 @@ class MergedDrafter(Drafter):
     def _propose_grafted(
         self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray]
     ) -> list[Tree]:
-        """A batch: each row's spans, scored by its rates, weighed against the head's drafts in one pool."""
+        """Each row's spans, scored by its rates, weighed against the head's drafts in one pool. Beside a trusted
+        span one sequence's head drafts one level only, as with whole spans; a batch's head passes serve every row,
+        so there each row drafts as deep as it may."""
         spans, copied = [], []  # per row: (span, log-rate) pairs for the head; each span's rate key and tokens
+        trusted = False
         for row, (host, max_depth) in enumerate(zip(host_texts, max_depths)):
             spans.append([])
             copied.append([])
             for index, drafter in enumerate(self.token_drafters):
                 span, matched = drafter.span(host, max_depth)
                 if span:
+                    trusted |= drafter.trusts(matched)
                     held, tried = self.span_rates[row].get((index, matched), SPAN_PRIOR)
                     spans[-1].append((span, math.log(held / tried)))
                     copied[-1].append(((index, matched), span))
-        trees, held = self.head_drafters[0].propose_grafted(texts, max_depths, spans)
+        head_depths = [min(1, max_depths[0])] if trusted and len(texts) == 1 else max_depths
+        trees, held = self.head_drafters[0].propose_grafted(texts, head_depths, spans)
         # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
         # rest)
         self.pending = [
