@@ -188,19 +188,25 @@ def test_a_priced_tree_keeps_of_a_span_what_pays_for_its_pass():
     """With measured pass costs (the default call's trees) one sequence's copied span is weighed against the head's
     drafts as a batch's is, not merged whole: here a pass past four tokens costs ten one-token passes, so the tree
     keeps the span's first three tokens (believed right half the time, each far likelier than a random head's
-    guesses) and nothing past them."""
+    guesses) and nothing past them. Beside a trusted span (a 3-gram match) the head drafts one level only."""
     from inference.tree_size import PassCost
 
     model = tiny_model("llama", eos=None)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(model.config)).eval()
-    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # lookup copies "8 9 5 6 7"
+    tokens = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])  # lookup copies "8 9 5 6 7" after a 3-gram match
     cost = PassCost(tokens=(1, 4, 5), relative=(1.0, 1.0, 10.0))
-    merged, _ = _observed_drafters(model, head, tokens[:-1], 3, DynamicTreeSpec(depth=4, top_k=2, nodes=8, cost=cost))
-    with torch.no_grad():
-        tree = merged.propose(tokens, max_depth=8)
-    assert tree.size == 4  # the root and three drafts: a fifth token would cost nine more passes
-    assert tree.tokens.tolist() == [7, 8, 9, 5] and tree.parents.tolist() == [-1, 0, 1, 2]
+    for trusted_ngram, head_limited in ((3, True), (4, False)):
+        spec = DynamicTreeSpec(depth=4, top_k=2, nodes=8, cost=cost)
+        merged, _ = _observed_drafters(model, head, tokens[:-1], trusted_ngram, spec)
+        eagle, expanded = merged.head_drafters[0], []
+        expand = eagle._expand
+        eagle._expand = lambda depth, *args, log=expanded, run=expand: log.append(depth) or run(depth, *args)
+        with torch.no_grad():
+            tree = merged.propose(tokens, max_depth=8)
+        assert tree.size == 4  # the root and three drafts: a fifth token would cost nine more passes
+        assert tree.tokens.tolist() == [7, 8, 9, 5] and tree.parents.tolist() == [-1, 0, 1, 2]
+        assert expanded == ([] if head_limited else [1, 2, 3])  # head passes past the first level
 
 
 def test_an_overconfident_head_is_discounted():
