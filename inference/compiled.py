@@ -78,6 +78,9 @@ INDUCTOR_OPTIONS = {
 # The template is generated for a fixed number of threads: those of the process that compiles it.
 NARROW_TOKENS = 4
 NARROW_OPTIONS = {**INDUCTOR_OPTIONS, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# a helper's job (_start_helper) standing for those the first process writes, once it knows them, to this file in
+# the helper's scratch folder: the second half of the target's program, cut after the heads' programs went ahead
+MORE_JOBS = "more-jobs.json"
 PASSES = "_specheads_compiled_passes"  # the module's attribute holding its compiled passes (they live and die together)
 # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
 EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS = 2, 3, 5, 9, 2
@@ -517,41 +520,50 @@ def _export(
 
 def _compile_package(passes: CompiledPasses, path: Path, alongside: list[CompiledPasses] = ()):
     """Export the pass and compile it into the package at `path` (atomically, where it is missing). On a CPU a
-    second process compiles, meanwhile, the packages of the passes `alongside` (a head's) and the second half of the
-    target's program (split_program: its inductor work grows with the graph, so two processes compiling a half each
-    take about two thirds of the time), both of which this waits for; then the narrow passes' package (where it is
-    missing), which it leaves compiling in the background at the lowest priority: returns that process while it
-    does (None otherwise). Elsewhere the whole program, then the heads', compile here."""
+    second process compiles, meanwhile, the packages of the passes `alongside` (a head's: exported first, so that
+    they compile while this process exports the target's, which takes 15 s for SmolLM2-135M) and the second half of
+    the target's program (split_program: its inductor work grows with the graph, so two processes compiling a half
+    each take about two thirds of the time), both of which this waits for; then the narrow passes' package (where
+    it is missing), which it leaves compiling in the background at the lowest priority: returns that process while
+    it does (None otherwise). Elsewhere the whole program, then the heads', compile here."""
     narrow = passes.narrow_package_path(path)
     device = next(passes.module.parameters()).device
-    program = passes.export()
     scratch = Path(tempfile.mkdtemp(prefix="specheads-programs-"))  # the helper's, which deletes it
-    halves, jobs, narrow_job = None, [], None
+    path.parent.mkdir(parents=True, exist_ok=True)  # where the helper marks the narrow package as compiling
+    split = device.type == "cpu" and passes.split_passes and not path.exists()
+    jobs, narrow_job = [], None
     if device.type == "cpu":
         for other in alongside:
             try:
                 jobs.append(_saved_job(other.export(), scratch, other.package_path()))
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue  # left to its own `ready`, which compiles it again or says why not
-        if passes.split_passes and not path.exists():
-            halves = split_program(program, share=_first_share(len(jobs), _headers_to_build()))
-        if halves is not None:
-            second = _second_half_path(path, halves.wiring)
-            jobs.append(_saved_job(halves.second, scratch, second))
+        if split:
+            jobs.append(MORE_JOBS)  # the second half, once the target's program is exported and cut
         if _narrow_to_compile(narrow):
             narrow_job = _job(scratch, narrow, narrow=True)  # its program is saved once this process has compiled
             jobs.append(narrow_job)
-    waited = [Path(package) for _, package, _, is_narrow in jobs if not is_narrow]
+    heads = len([job for job in jobs if job != MORE_JOBS and not job[3]])
     helper = _start_helper(device, jobs, scratch)
     if helper is None:
         shutil.rmtree(scratch, ignore_errors=True)
     first = path.with_name(f"{path.stem}-first.pt2")
+    halves, more = None, []
     try:
+        program = passes.export()
+        if split:
+            halves = split_program(program, share=_first_share(heads, _headers_to_build()))
+        if halves is not None:
+            second = _second_half_path(path, halves.wiring)
+        if helper is not None and MORE_JOBS in jobs:
+            if halves is not None:
+                more.append(_saved_job(halves.second, scratch, second))
+            _write_jobs(scratch / MORE_JOBS, more)
         if halves is not None:
             _package(halves.first, first)
         elif not path.exists():
             _package(program, path)
-        if narrow_job is not None:
+        if narrow_job is not None and helper is not None:
             _save(program, Path(narrow_job[0]))
         if halves is not None:
             _wait_for_packages([second], helper)
@@ -573,15 +585,17 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue
         return None
+    waited = [Path(job[1]) for job in [*jobs, *more] if job != MORE_JOBS and not job[3]]
     _wait_for_packages(waited, helper)  # a head's package it failed is compiled, or refused, by the head's `ready`
     return helper if helper.poll() is None else None
 
 
 def _first_share(heads: int, headers: bool) -> float:
     """The share of the target's layers this process compiles: more than half when the helper, which compiles the
-    rest, first compiles `heads` heads' packages and builds the C++ headers, so that both finish at about the same
-    time (2-core EPYC, SmolLM2-135M: a decoder layer 2-2.7 s, the EAGLE head's package 10-17 s, the headers 15 s)."""
-    return min(0.8, 0.5 + 0.08 * heads + (0.15 if headers else 0.0))
+    rest, first builds the C++ headers or compiles more heads' packages than fit in the 15-20 s this process spends
+    exporting the target's program and cutting it, so that both finish at about the same time (2-core EPYC,
+    SmolLM2-135M: a decoder layer 2-2.7 s, the EAGLE head's package 10-19 s, the headers 15 s)."""
+    return min(0.8, 0.45 + 0.08 * max(heads - 1, 0) + (0.1 if headers else 0.0))
 
 
 def _wait_for_packages(packages: list[Path], helper: subprocess.Popen | None) -> None:
@@ -630,14 +644,13 @@ def _package(program, path: Path, threads: int | None = None, narrow: bool = Fal
         staging.unlink(missing_ok=True)
 
 
-def _start_helper(
-    device: torch.device, jobs: list[tuple[str, str, int, bool]] = (), scratch: Path | None = None
-) -> subprocess.Popen | None:
+def _start_helper(device: torch.device, jobs: list = (), scratch: Path | None = None) -> subprocess.Popen | None:
     """On a CPU, start a second process for the work that can run beside this one's compile, on the other core:
     first, once a machine, it compiles a tiny package with the same options, which builds what every package shares
     and inductor keeps on disk (the precompiled C++ headers of the wrapper and of the kernels, the instruction-set
     probe): on a fresh machine about 30 s of g++ (2-core EPYC) that inductor would otherwise run after the
-    lowering, one step after another. Then it compiles each job of `jobs` (_saved_job), a narrow passes' package at
+    lowering, one step after another. Then it compiles each job of `jobs` (_saved_job, or MORE_JOBS: the jobs the
+    first process writes to that file in `scratch` once it knows them), a narrow passes' package at
     the lowest priority, and deletes `scratch`. None when there is nothing to do. It runs in a session of its own,
     so that a package it is compiling in the background is finished even when this process ends first; nothing
     depends on it: a header it did not build is built by the process that needs it, a head's package it did not
@@ -659,39 +672,63 @@ def _start_helper(
     )
 
 
-def run_helper(built: str | None, jobs: list[tuple[str, str, int, bool]], scratch: str | None = None) -> None:
+def run_helper(built: str | None, jobs: list, scratch: str | None = None) -> None:
     """What _start_helper's process runs: the shared headers (when `built`, the marker to create, is given), then
-    each job's saved program compiled into its package; a narrow package's compile is announced by a marker file
+    each job's saved program compiled into its package; a MORE_JOBS entry stands for the jobs the first process
+    writes to that file in `scratch` once it knows them. A narrow package's compile is announced by a marker file
     (_compiling_elsewhere) so that other processes wait for it instead of compiling it too."""
-    markers = [_compiling_marker(Path(package)) for _, package, _, narrow in jobs if narrow]
+    markers = [_compiling_marker(Path(job[1])) for job in jobs if job != MORE_JOBS and job[3]]
     starter = os.getppid()
     try:
         for marker in markers:
             marker.write_text(f"{os.getpid()} {starter}")  # this process, and the one that started it
         if built is not None:
             compile_tiny_package(built)
-        for saved, package, threads, narrow in jobs:
-            if narrow:
-                _lowest_priority()  # it compiles while the first process decodes: only on what that leaves idle
-            while not Path(saved).exists():  # saved by the first process once it has compiled its own
-                if not _alive(starter):
+        for job in jobs:
+            listed = [job] if job != MORE_JOBS else _read_jobs(Path(scratch) / MORE_JOBS, starter)
+            if listed is None:
+                return
+            for saved, package, threads, narrow in listed:
+                if narrow:
+                    _lowest_priority()  # it compiles while the first process decodes: only on what that leaves idle
+                if not _wait_for_file(Path(saved), starter):
                     return
-                time.sleep(0.2)
-            try:
-                program = torch.export.load(saved)
-                Path(saved).unlink()
-                _package(program, Path(package), threads, narrow)
-            except (*COMPILE_ERRORS, RuntimeError, OSError) as error:
-                # recorded, so that the first process stops waiting for it (it compiles a half again itself, a
-                # head's `ready` says why not); a file or the disk is left to the next process's narrow compile
-                if not (narrow and isinstance(error, OSError)):
-                    _record_failure(Path(package), _reason(error))
-                continue  # the next job may still compile
+                try:
+                    program = torch.export.load(saved)
+                    Path(saved).unlink()
+                    _package(program, Path(package), threads, narrow)
+                except (*COMPILE_ERRORS, RuntimeError, OSError) as error:
+                    # recorded, so that the first process stops waiting for it (it compiles a half again itself, a
+                    # head's `ready` says why not); a file or the disk is left to the next process's narrow compile
+                    if not (narrow and isinstance(error, OSError)):
+                        _record_failure(Path(package), _reason(error))
+                    continue  # the next job may still compile
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _wait_for_file(path: Path, starter: int) -> bool:
+    """Wait until `path` exists (a program or job list the first process saves atomically); False when that process
+    ended first."""
+    while not path.exists():
+        if not _alive(starter):
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _write_jobs(path: Path, jobs: list) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(jobs))
+    os.replace(staging, path)
+
+
+def _read_jobs(path: Path, starter: int) -> list | None:
+    """The jobs the first process wrote to `path` (_write_jobs), once it has; None when it ended first."""
+    return [tuple(job) for job in json.loads(path.read_text())] if _wait_for_file(path, starter) else None
 
 
 def _lowest_priority() -> None:

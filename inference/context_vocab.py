@@ -90,9 +90,13 @@ class ContextVocabulary:
             self.known = self.bound = int(self.count)  # one host read, when the bound would overrun the buffer
         if self.bound + count > self.room:
             self._allocate(max(self.room, self.bound + count + self.room // 4 + ROOM))
-        size, index = self.base.base_size, torch.arange(count, device=tokens.device)
-        first_at = torch.full_like(self.member, count, dtype=torch.long).scatter_reduce(0, tokens, index, "amin")
-        new = (first_at[tokens] == index) & ~self.member[tokens]  # a token's first read, not in yet
+        size = self.base.base_size
+        # a token's first read (a stable sort keeps repeats in reading order), not in yet
+        order = tokens.argsort(stable=True)
+        ranked = tokens[order]
+        first = torch.empty(count, dtype=torch.bool, device=tokens.device)
+        first[order] = torch.cat([ranked.new_ones(1, dtype=torch.bool), ranked[1:] != ranked[:-1]])
+        new = first & ~self.member[tokens]
         rows = torch.where(new, size + self.count + new.cumsum(0) - 1, size + self.room)  # the others: the spare row
         weight, bias = self.base.target_rows
         with torch.no_grad():
