@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,6 +282,29 @@ def test_the_helper_compiles_the_head_and_the_second_half_beside_the_target_then
         model, head, prompt, max_new_tokens=NEW_TOKENS, tree=DynamicTreeSpec(depth=3, top_k=2, nodes=6), fallback=False
     )
     assert out.token_ids == hf_greedy(model, prompt, NEW_TOKENS) and shapes, "it drafted through the package"
+
+
+def test_the_helper_starts_on_the_heads_package_before_the_targets_program_is_exported(package_cache, monkeypatch):
+    # the target's export takes 15 s for SmolLM2-135M: the head's package compiles meanwhile, the second half after
+    model = compile_target(tiny_model("llama", seed=13))
+    head = EagleHead(EagleConfig.for_target(model.config, feature_layers=[-1])).eval()
+    events, start = [], compiled._start_helper
+
+    def started(device, jobs, scratch):
+        events.append([job if job == compiled.MORE_JOBS else Path(job[1]).name for job in jobs])
+        return start(device, jobs, scratch)
+
+    def export_fails(self):
+        events.append("the target's export")
+        raise torch._dynamo.exc.Unsupported("stopped here: the order is what this checks")
+
+    monkeypatch.setattr(compiled, "_start_helper", started)
+    monkeypatch.setattr(compiled.CompiledPasses, "export", export_fails)
+    head_passes = compiled_heads.compiled_head(head, model)
+    with pytest.warns(UserWarning, match="stopped here"):
+        assert not decoding_pass(model).ready(verbose=False, alongside=[head_passes])
+    assert events[0][:2] == [head_passes.package_path().name, compiled.MORE_JOBS]
+    assert events[1] == "the target's export"
 
 
 def test_a_second_half_the_helper_did_not_compile_is_compiled_here(package_cache, monkeypatch):
