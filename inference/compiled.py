@@ -17,11 +17,11 @@ nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms agai
 wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
 head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
 4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. The first call waits about 80 s on 2 CPU cores (72-91 s for
+decoding in float32 on dev. The first call waits about 70 s on 2 CPU cores (65-72 s for
 SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's package every pass can run through
-and the head's. The target's program is cut in two between its layers (split_program) and a second process
-compiles the head's package and the second half meanwhile (on a fresh machine after building the C++ headers
-every package shares); that process then compiles the narrow package in the background, stopped while a call of
+and the head's. A second process compiles the head's package while this one exports the target's program (on a
+fresh machine after building the C++ headers every package shares); the program is then cut in two between its
+layers (split_program), and each process compiles a half; the second process then compiles the narrow package in the background, stopped while a call of
 this process generates, and the calls that start after it lands run through it. The result is kept on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
 versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
