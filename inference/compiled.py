@@ -21,8 +21,9 @@ decoding in float32 on dev. The first call waits about 70 s on 2 CPU cores (65-7
 SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's package every pass can run through
 and the head's. A second process compiles the head's package while this one exports the target's program (on a
 fresh machine after building the C++ headers every package shares); the program is then cut in two between its
-layers (split_program), and each process compiles a half; the second process then compiles the narrow package in the background, stopped while a call of
-this process generates, and the calls that start after it lands run through it. The result is kept on disk (under
+layers (split_program), and each process compiles a half; the second process then compiles the narrow package
+in the background, stopped while a call of this process generates, and the calls that start after it lands run
+through it. The result is kept on disk (under
 SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
 versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
 eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason; the
