@@ -592,10 +592,11 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
 
 
 def _first_share(heads: int, headers: bool) -> float:
-    """The share of the target's layers this process compiles: more than half when the helper, which compiles the
-    rest, first builds the C++ headers or compiles more heads' packages than fit in the 15-20 s this process spends
-    exporting the target's program and cutting it, so that both finish at about the same time (2-core EPYC,
-    SmolLM2-135M: a decoder layer 2-2.7 s, the EAGLE head's package 10-19 s, the headers 15 s)."""
+    """The share of the target's layers this process compiles, so that it and the helper, which compiles the rest,
+    finish at about the same time: under half, as this process then saves the whole program for the narrow
+    package's compile (4-5 s), and more where the helper first builds the C++ headers or compiles more heads'
+    packages than fit in the 15-20 s this process spends exporting the target's program and cutting it (2-core
+    EPYC, SmolLM2-135M: a decoder layer 2-2.7 s, the EAGLE head's package 10-19 s, the headers 15 s)."""
     return min(0.8, 0.45 + 0.08 * max(heads - 1, 0) + (0.1 if headers else 0.0))
 
 
