@@ -532,34 +532,30 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
     scratch = Path(tempfile.mkdtemp(prefix="specheads-programs-"))  # the helper's, which deletes it
     path.parent.mkdir(parents=True, exist_ok=True)  # where the helper marks the narrow package as compiling
     split = device.type == "cpu" and passes.split_passes and not path.exists()
-    jobs, narrow_job = [], None
+    head_jobs, narrow_job = [], None
     if device.type == "cpu":
         for other in alongside:
             try:
-                jobs.append(_saved_job(other.export(), scratch, other.package_path()))
+                head_jobs.append(_saved_job(other.export(), scratch, other.package_path()))
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue  # left to its own `ready`, which compiles it again or says why not
-        if split:
-            jobs.append(MORE_JOBS)  # the second half, once the target's program is exported and cut
         if _narrow_to_compile(narrow):
             narrow_job = _job(scratch, narrow, narrow=True)  # its program is saved once this process has compiled
-            jobs.append(narrow_job)
-    heads = len([job for job in jobs if job != MORE_JOBS and not job[3]])
+    # the second half (MORE_JOBS) follows the heads' packages, once the target's program is exported and cut
+    jobs = head_jobs + ([MORE_JOBS] if split else []) + ([narrow_job] if narrow_job is not None else [])
     helper = _start_helper(device, jobs, scratch)
     if helper is None:
         shutil.rmtree(scratch, ignore_errors=True)
     first = path.with_name(f"{path.stem}-first.pt2")
-    halves, more = None, []
+    halves = None
     try:
         program = passes.export()
         if split:
-            halves = split_program(program, share=_first_share(heads, _headers_to_build()))
+            halves = split_program(program, share=_first_share(len(head_jobs), _headers_to_build()))
         if halves is not None:
             second = _second_half_path(path, halves.wiring)
-        if helper is not None and MORE_JOBS in jobs:
-            if halves is not None:
-                more.append(_saved_job(halves.second, scratch, second))
-            _write_jobs(scratch / MORE_JOBS, more)
+        if helper is not None and split:
+            _write_jobs(scratch / MORE_JOBS, [] if halves is None else [_saved_job(halves.second, scratch, second)])
         if halves is not None:
             _package(halves.first, first)
         elif not path.exists():
@@ -586,8 +582,8 @@ def _compile_package(passes: CompiledPasses, path: Path, alongside: list[Compile
             except (*COMPILE_ERRORS, RuntimeError, OSError):
                 continue
         return None
-    waited = [Path(job[1]) for job in [*jobs, *more] if job != MORE_JOBS and not job[3]]
-    _wait_for_packages(waited, helper)  # a head's package it failed is compiled, or refused, by the head's `ready`
+    # a head's package it failed is compiled, or refused, by the head's `ready`
+    _wait_for_packages([Path(job[1]) for job in head_jobs], helper)
     return helper if helper.poll() is None else None
 
 
