@@ -12,34 +12,49 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class PositionLayer(DynamicLayer):
-    """A DynamicLayer whose entries sit in a buffer with room to grow: a pass writes its entries after the kept
-    ones instead of concatenating a copy of the whole cache (DynamicLayer's way, which cost 5-10% of a batch's
-    verification pass). `keys` and `values` stay views of the used part (the buffer's first rows and entries), so
-    cropping them and moving a path's entries within them work as on a DynamicLayer. Rows leaving or joining a
-    batch move within the buffer too (keep_rows, append_rows): a new buffer for each, its memory touched for the
-    first time, had cost ~3 ms a layer at batch 8 (6% of a batch's time)."""
+    """A DynamicLayer whose entries sit in a buffer with room to grow: a pass writes its entries after the kept ones
+    instead of concatenating a copy of the whole cache (DynamicLayer's way, which cost 5-10% of a batch's verification
+    pass); a compiled pass writes them into the buffer itself (`reserve`, then `extend`). `keys` and `values` stay views
+    of the used part (the buffer's first rows and entries), so cropping them and moving a path's entries within them
+    work as on a DynamicLayer. Rows leaving or joining a batch move within the buffer too (keep_rows, append_rows): a
+    new buffer for each, its memory touched for the first time, had cost ~3 ms a layer at batch 8 (6% of a batch's
+    time)."""
 
     key_buffer = value_buffer = None  # allocated at the first update
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self.key_buffer = self.value_buffer = None
-        used, new, rows = self.get_seq_length(), key_states.shape[-2], key_states.shape[0]
-        if not self._fits(key_states.shape, used + new):
-            # a new buffer: the first pass, a full one, or more rows than it had room for
-            capacity = used + new + max(256, (used + new) // 2)
-            self.key_buffer = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-            self.value_buffer = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
-            if used:
-                self.key_buffer[..., :used, :] = self.keys
-                self.value_buffer[..., :used, :] = self.values
-        self.key_buffer[:rows, :, used : used + new] = key_states
-        self.value_buffer[:rows, :, used : used + new] = value_states
-        self.keys, self.values = self.key_buffer[:rows, :, : used + new], self.value_buffer[:rows, :, : used + new]
+        used, new = self.get_seq_length(), key_states.shape[-2]
+        key_buffer, value_buffer = self.reserve(key_states, new)
+        key_buffer[:, :, used : used + new] = key_states
+        value_buffer[:, :, used : used + new] = value_states
+        self.extend(key_states.shape[0], new)
         return self.keys, self.values
+
+    def reserve(self, like: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers' first rows, as many as `like` has ([rows, heads, _, dim], the entries' dtype and device),
+        with room for `new` entries after the used ones: where they are written (a compiled pass writes them in
+        place) before `extend` takes them in. A new buffer, the used entries copied, where there is no room: the
+        first pass, a full buffer, or more rows than it had room for."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self.key_buffer = self.value_buffer = None
+        used, rows = self.get_seq_length(), like.shape[0]
+        if not self._fits(like.shape, used + new):
+            capacity = used + new + max(256, (used + new) // 2)
+            shape = (*like.shape[:-2], capacity, like.shape[-1])
+            key_buffer, value_buffer = like.new_empty(shape), like.new_empty(shape)
+            if used:
+                key_buffer[..., :used, :] = self.keys
+                value_buffer[..., :used, :] = self.values
+            self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        return self.key_buffer[:rows], self.value_buffer[:rows]
+
+    def extend(self, rows: int, new: int) -> None:
+        """Take in the `new` entries written after the used ones in the buffers' first `rows` rows (reserve)."""
+        end = self.get_seq_length() + new
+        self.keys, self.values = self.key_buffer[:rows, :, :end], self.value_buffer[:rows, :, :end]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only these rows go on, moved to the buffer's first rows."""

@@ -8,26 +8,26 @@ Why: an eager pass of SmolLM2-135M runs at a fraction of what the hardware allow
 53 ms and 25 ms, a one-token pass of 8 rows 48 ms and 25 ms. Nearly all of it is the weights: frozen into the
 compiled code (inductor's `freezing`), they are packed once for the CPU's matrix kernels.
 
-One pass, `DecodingPass` (token ids, positions, the additive mask and the cache as plain tensors in; logits, hidden
-states and the new tokens' keys and values out), is exported with every size dynamic (rows, tokens, cache length),
-so one exported program serves plain steps, trees, batches and prompts (the logits of their last tokens only). On
-a CPU it is compiled into two packages: passes of up to NARROW_TOKENS tokens in all (plain steps, small trees)
-run through one whose matrix products are inductor's C++ GEMM template, which reads the weights of a few rows at
-nearly the memory's pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms against 17-23 ms through oneDNN), and
-wider passes through one with oneDNN's products, which the template falls far behind past a few rows. An EAGLE
-head's passes (over the committed tokens and each draft level) are compiled the same way when the target's are:
-4.9 ms of drafting a step instead of 6.9; so are the early-exit draft's, which took it from 1.01x to 1.10x plain
-decoding in float32 on dev. The first call waits about 70 s on 2 CPU cores (65-72 s for
-SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's package every pass can run through
-and the head's. A second process compiles the head's package while this one exports the target's program (on a
-fresh machine after building the C++ headers every package shares); the program is then cut in two between its
-layers (split_program), and each process compiles a half; the second process then compiles the narrow package
-in the background, stopped while a call of this process generates, and the calls that start after it lands run
-through it. The result is kept on disk (under
-SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's instruction set, the threads and the library
-versions), so a second process loads it in a few seconds. A prompt longer than COMPILED_PREFILL_TOKENS is prefilled
-eagerly. A model that does not export or compile decodes eagerly, after one warning naming the reason; the
-failure is recorded beside where its package would be, so that later processes do not spend minutes failing again.
+One pass, `DecodingPass` (token ids, positions, the additive mask and the cache's buffers as plain tensors in; logits
+and hidden states out; the new tokens' keys and values written into the buffers in place, after the cached entries, as
+gpt-fast's cache is, so no pass copies the cache), is exported with every size dynamic (rows, tokens, cache length), so
+one exported program serves plain steps, trees, batches and prompts (the logits of their last tokens only). On a CPU it
+is compiled into two packages: passes of up to NARROW_TOKENS tokens in all (plain steps, small trees) run through one
+whose matrix products are inductor's C++ GEMM template, which reads the weights of a few rows at nearly the memory's
+pace (a one-token pass of SmolLM2-135M in bf16: 12.4 ms against 17-23 ms through oneDNN), and wider passes through one
+with oneDNN's products, which the template falls far behind past a few rows. An EAGLE head's passes (over the committed
+tokens and each draft level) are compiled the same way when the target's are: 4.9 ms of drafting a step instead of 6.9;
+so are the early-exit draft's, which took it from 1.01x to 1.10x plain decoding in float32 on dev. The first call waits
+about 70 s on 2 CPU cores (65-72 s for SmolLM2-135M's package and its EAGLE head's on a 2-core EPYC) for the target's
+package every pass can run through and the head's. A second process compiles the head's package while this one exports
+the target's program (on a fresh machine after building the C++ headers every package shares); the program is then cut
+in two between its layers (split_program), and each process compiles a half; the second process then compiles the narrow
+package in the background, stopped while a call of this process generates, and the calls that start after it lands run
+through it. The result is kept on disk (under SPECHEADS_CACHE/compiled, keyed by the weights, the dtype, the CPU's
+instruction set, the threads and the library versions), so a second process loads it in a few seconds. A prompt longer
+than COMPILED_PREFILL_TOKENS is prefilled eagerly. A model that does not export or compile decodes eagerly, after one
+warning naming the reason; the failure is recorded beside where its package would be, so that later processes do not
+spend minutes failing again.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from heads.attention import grouped_attention
 from heads.eagle import causal_mask
 
-from .cache import position_cache
+from .cache import PositionLayer, position_cache
 from .split_program import HalvesRunner, split_program
 from .target import cache_root
 
-FORMAT = 6  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
+FORMAT = 7  # the passes' inputs, outputs and sizes; bump it when they change, so that older packages are not loaded
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0:
 # 13 s less to compile (94.7 s against 106 in all on a 2-core EPYC) and no slower a pass. Linear layers reading the
 # same input (queries, keys and values; gate and up) as one matrix product: 2 kernel calls a layer fewer, a bfloat16
@@ -104,10 +104,9 @@ COMPILE_ERRORS = (
 class DecodingPass(torch.nn.Module):
     """One decoding pass of `model` with its cache as plain tensors, the form torch.export takes: key_stores[i] and
     value_stores[i] [rows, kv_heads, capacity, head_dim] for layer i, whose first entries are the cached ones (as
-    many as the mask's keys less the new tokens; the rest is room the caller's buffer keeps for later). Returns the
-    logits at `logits_positions` (the new tokens' indices: all of them to verify a tree, the last ones to prefill
-    prompts), every layer's hidden states and the new tokens' keys and values, which the caller writes into its
-    cache."""
+    many as the mask's keys less the new tokens), followed by room for at least the new tokens' entries, which the
+    pass writes there in place (_StoreLayer). Returns the logits at `logits_positions` (the new tokens' indices: all
+    of them to verify a tree, the last ones to prefill prompts) and every layer's hidden states."""
 
     def __init__(self, model):
         super().__init__()
@@ -132,43 +131,53 @@ class DecodingPass(torch.nn.Module):
             output_hidden_states=True,
             logits_to_keep=logits_positions,
         )
-        return out.logits, tuple(out.hidden_states), *_new_entries(cache, input_ids.shape[1])
+        return out.logits, tuple(out.hidden_states)
 
 
-def _stores(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's entries in the layout the package takes (contiguous, the cached entries first): a PositionLayer's
-    buffer rows as they are when its entries sit at their start (no copy), else a contiguous copy of the entries.
-    The compiled code assumes the strides it was exported with: a view of a buffer's first entries has others."""
-    entries = (layer.keys, layer.values)
-    buffers = (getattr(layer, "key_buffer", None), getattr(layer, "value_buffer", None))
-    if all(
-        b is not None and e.data_ptr() == b.data_ptr() and e.stride() == b.stride() and b.is_contiguous()
-        for e, b in zip(entries, buffers)
-    ):
-        rows = layer.keys.shape[0]
-        return buffers[0][:rows], buffers[1][:rows]
-    return entries[0].contiguous(), entries[1].contiguous()
+class _StoreLayer(DynamicLayer):
+    """A cache layer over an exported pass's stores: its first `cached` entries are the cached ones, and the pass's
+    new entries are written in place after them, so attention reads the stores as they are. DynamicLayer's way, a
+    copy of the whole cache concatenated with the new entries, cost every layer of every pass a copy of its cache
+    (SmolLM2-sized layers, bfloat16, 1,000 tokens cached: 0.05 ms a layer, 1.5 ms a pass)."""
 
+    def __init__(self, key_store: torch.Tensor, value_store: torch.Tensor, cached: int):
+        super().__init__()
+        self.key_store, self.value_store, self.cached = key_store, value_store, cached
+        self.lazy_initialization(key_store, value_store)
+        self.keys, self.values = key_store[:, :, :cached], value_store[:, :, :cached]
 
-def _filled_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
-    layer = DynamicLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return layer
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.cached + key_states.shape[-2]
+        self.key_store[:, :, self.cached : end].copy_(key_states)
+        self.value_store[:, :, self.cached : end].copy_(value_states)
+        self.keys, self.values = self.key_store[:, :, :end], self.value_store[:, :, :end]
+        return self.keys, self.values
 
 
 def _stored_cache(key_stores: list[torch.Tensor], value_stores: list[torch.Tensor], cached: int) -> Cache:
-    """A cache over each layer's first `cached` entries of its stores (an exported pass's cache argument)."""
-    return Cache(
-        layers=[
-            _filled_layer(k[:, :, :cached], v[:, :, :cached]) for k, v in zip(key_stores, value_stores, strict=True)
-        ]
-    )
+    """A cache over each layer's first `cached` entries of its stores, which takes new entries in place after them
+    (an exported pass's cache argument)."""
+    return Cache(layers=[_StoreLayer(k, v, cached) for k, v in zip(key_stores, value_stores, strict=True)])
 
 
-def _new_entries(cache: Cache, new: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's keys and values of the pass's `new` tokens, which the caller writes into its own cache."""
-    return [layer.keys[:, :, -new:] for layer in cache.layers], [layer.values[:, :, -new:] for layer in cache.layers]
+def _stores_with_room(layer, like: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's entries in the layout a package takes (contiguous, the cached entries first) with room for `new`
+    entries after them: a PositionLayer's buffer rows, which the pass then writes into, else a copy. `like`: empty
+    entries [rows, heads, 0, dim] of the cache's dtype."""
+    if isinstance(layer, PositionLayer):
+        return layer.reserve(like, new)
+    used = layer.get_seq_length() if layer.is_initialized else 0
+    room = like.new_empty(*like.shape[:-2], new, like.shape[-1])
+    entries = (layer.keys, layer.values) if used else (like, like)
+    return tuple(torch.cat([part, room], dim=-2) for part in entries)
+
+
+def _take_entries(layer, key_store: torch.Tensor, value_store: torch.Tensor, cached: int, new: int) -> None:
+    """The cache takes in the `new` entries a pass wrote into its stores after the `cached` ones."""
+    if isinstance(layer, PositionLayer):
+        layer.extend(key_store.shape[0], new)
+    else:
+        layer.update(key_store[:, :, cached : cached + new], value_store[:, :, cached : cached + new])
 
 
 class CompiledPasses:
@@ -223,24 +232,27 @@ class CompiledPasses:
         return CausalLMOutputWithPast(logits=logits, hidden_states=tuple(hidden_states))
 
     def _run_with_cache(self, cache, inputs: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> list:
-        """The package's outputs for (inputs, each layer's cache entries, extra), the narrow passes' package's for a
-        pass of at most NARROW_TOKENS tokens in all; the new entries go into the cache."""
-        if cache.get_seq_length() == 0:  # a prompt's pass (the target's only): empty stores shaped as its cache
-            rows, device = inputs[0].shape[0], inputs[0].device
+        """The package's outputs for (inputs, each layer's stores, extra), the narrow passes' package's for a pass of
+        at most NARROW_TOKENS tokens in all; the pass writes its new entries into the cache's buffers in place."""
+        rows, new = inputs[0].shape[:2]
+        cached, device = cache.get_seq_length(), inputs[0].device
+        if cached == 0:  # a prompt's pass (the target's only): stores shaped as its cache
             if self.cache_shapes is None:
                 self.cache_shapes = self.read_cache_shapes()
-            keys = values = [
+            likes = [
                 torch.empty(rows, heads, 0, dim, dtype=self.module.dtype, device=device)
                 for heads, dim in self.cache_shapes
             ]
         else:
-            keys, values = zip(*(_stores(layer) for layer in cache.layers))
-        narrow = self.narrow_runner is not None and inputs[0].shape[0] * inputs[0].shape[1] <= NARROW_TOKENS
-        *outputs, new_keys, new_values = (self.narrow_runner if narrow else self.runner)(
-            *[x.contiguous() for x in inputs], list(keys), list(values), *[x.contiguous() for x in extra]
+            likes = [layer.keys[:, :, :0] for layer in cache.layers]
+        stores = [_stores_with_room(layer, like, new) for layer, like in zip(cache.layers, likes, strict=True)]
+        keys, values = [k for k, _ in stores], [v for _, v in stores]
+        narrow = self.narrow_runner is not None and rows * new <= NARROW_TOKENS
+        outputs = (self.narrow_runner if narrow else self.runner)(
+            *[x.contiguous() for x in inputs], keys, values, *[x.contiguous() for x in extra]
         )
-        for layer, k, v in zip(cache.layers, new_keys, new_values, strict=True):
-            layer.update(k, v)
+        for layer, (key_store, value_store) in zip(cache.layers, stores, strict=True):
+            _take_entries(layer, key_store, value_store, cached, new)
         return outputs
 
     def read_cache_shapes(self) -> list[tuple[int, int]]:
@@ -510,7 +522,7 @@ def _export(
         for kv_heads, head_dim in shapes
     ]
     cache_dynamic = [{0: ROWS, 2: CAPACITY}] * len(shapes)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: the program writes into its stores, which must not be inference tensors
         return torch.export.export(
             module.eval(),
             (*example, stores, [s.clone() for s in stores], *extra),

@@ -22,7 +22,6 @@ from .compiled import (
     CompiledPasses,
     _cache_shapes,
     _export,
-    _new_entries,
     _stored_cache,
     is_compiled,
     package_key,
@@ -33,9 +32,9 @@ from .target import cache_root
 
 
 class HeadPass(torch.nn.Module):
-    """An EAGLE head's pass with its cache as plain tensors (as DecodingPass): (feature [rows, T, H], the next
-    tokens' embeddings, positions, the additive mask, key/value stores[, copy embeddings]) -> (its outputs [rows, T,
-    H], the new entries' keys and values)."""
+    """An EAGLE head's pass with its cache as plain tensors (as DecodingPass, which writes the new entries into the
+    stores): (feature [rows, T, H], the next tokens' embeddings, positions, the additive mask, key/value stores[,
+    copy embeddings]) -> (its outputs [rows, T, H],)."""
 
     def __init__(self, head):
         super().__init__()
@@ -53,7 +52,7 @@ class HeadPass(torch.nn.Module):
             attention_mask=attention_mask,
             cache=cache,
         )
-        return out, *_new_entries(cache, feature.shape[1])
+        return (out,)
 
 
 class CompiledHead(CompiledPasses):
@@ -117,8 +116,8 @@ class CompiledHead(CompiledPasses):
 
 class ExitPass(torch.nn.Module):
     """The early-exit draft's pass (the target's first layers with their adapter) with its cache as plain tensors (as
-    DecodingPass): (token ids, positions, the additive mask, key/value stores) -> (the exit's normed hidden states
-    [rows, T, H], the new entries' keys and values)."""
+    DecodingPass, which writes the new entries into the stores): (token ids, positions, the additive mask, key/value
+    stores) -> (the exit's normed hidden states [rows, T, H],)."""
 
     def __init__(self, head):
         super().__init__()
@@ -129,7 +128,7 @@ class ExitPass(torch.nn.Module):
         out = self.draft.base_model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, use_cache=True
         )
-        return out.last_hidden_state, *_new_entries(cache, input_ids.shape[1])
+        return (out.last_hidden_state,)
 
 
 class CompiledEarlyExit(CompiledPasses):

@@ -170,6 +170,7 @@ def _program(
         module_call_graph=[ModuleCallEntry("", ModuleCallSignature([], [], in_spec, out_spec))],
         example_inputs=(tuple(examples), {}),
         constants={k: v for k, v in program.constants.items() if k in targets},
+        verifiers=program.verifiers,  # the original's dialect: its passes write into their cache stores in place
     )
 
 

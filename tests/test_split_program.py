@@ -40,10 +40,18 @@ def test_the_halves_compute_exactly_what_the_whole_program_does(family, layers, 
     split = HalvesRunner(first, second, halves.wiring)
     for rows, tokens, cached, capacity in [(1, 1, 3, 8), (2, 5, 7, 12), (3, 4, 0, 4)]:
         inputs = pass_inputs(model, rows, tokens, cached, capacity, seed=rows)
+        own = (*inputs[:4], [k.clone() for k in inputs[4]], [v.clone() for v in inputs[5]])  # the split's stores
         with torch.no_grad():
-            expected, got = whole(*inputs), split(*inputs)
+            expected, got = whole(*inputs), split(*own)
         assert pytree.tree_structure(got) == pytree.tree_structure(expected)
         assert all(torch.equal(a, b) for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected)))
+        # both wrote the new tokens' entries into their stores, after the cached ones, and nothing else
+        untouched = pass_inputs(model, rows, tokens, cached, capacity, seed=rows)[4]
+        for whole_store, split_store, before in zip(inputs[4], own[4], untouched, strict=True):
+            assert torch.equal(whole_store, split_store)
+            assert not torch.equal(whole_store[:, :, cached : cached + tokens], before[:, :, cached : cached + tokens])
+            assert torch.equal(whole_store[:, :, :cached], before[:, :, :cached])
+            assert torch.equal(whole_store[:, :, cached + tokens :], before[:, :, cached + tokens :])
 
 
 def test_the_first_half_holds_the_given_share_of_the_layers():
