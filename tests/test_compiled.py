@@ -435,3 +435,25 @@ def test_a_background_compile_is_stopped_while_a_call_generates(monkeypatch):
     finally:
         passes.helper.kill()
         passes.helper.wait()
+
+
+def test_a_pass_writes_its_entries_into_a_position_caches_buffers_and_any_other_cache_takes_them_in_too():
+    from transformers import DynamicCache
+
+    from inference.cache import PositionLayer, new_cache
+
+    model = tiny_model("llama", layers=1)
+    cached, new = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 2, 4)
+    expected = DynamicCache()
+    expected.update(cached, -cached, 0)
+    expected.update(new, -new, 0)
+    for cache in (new_cache(model), DynamicCache()):
+        cache.update(cached.clone(), -cached.clone(), 0)
+        layer = cache.layers[0]
+        keys, values = compiled._stores_with_room(layer, cached[:, :, :0], new.shape[2])
+        assert keys.is_contiguous() and keys.shape[2] >= 5
+        keys[:, :, 3:5], values[:, :, 3:5] = new, -new  # what the compiled pass writes (DecodingPass)
+        compiled._take_entries(layer, keys, values, 3, 2)
+        assert torch.equal(layer.keys, expected.layers[0].keys) and torch.equal(layer.values, expected.layers[0].values)
+        if isinstance(layer, PositionLayer):  # the pass wrote into the cache's own buffer
+            assert layer.keys.data_ptr() == keys.data_ptr()
