@@ -163,8 +163,8 @@ def _stored_cache(key_stores: list[torch.Tensor], value_stores: list[torch.Tenso
 
 def _stores_with_room(layer, like: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's entries in the layout a package takes (contiguous, the cached entries first) with room for `new`
-    entries after them: a PositionLayer's buffer rows, which the pass then writes into, else a copy. `like`: empty
-    entries [rows, heads, 0, dim] of the cache's dtype."""
+    entries after them: a PositionLayer's buffer rows, which the pass then writes into, else a copy. `like`: entries
+    [rows, heads, any count, dim] of the cache's dtype (its own where it has some)."""
     if isinstance(layer, PositionLayer):
         return layer.reserve(like, new)
     used = layer.get_seq_length() if layer.is_initialized else 0
@@ -245,7 +245,7 @@ class CompiledPasses:
                 for heads, dim in self.cache_shapes
             ]
         else:
-            likes = [layer.keys[:, :, :0] for layer in cache.layers]
+            likes = [layer.keys for layer in cache.layers]
         stores = [_stores_with_room(layer, like, new) for layer, like in zip(cache.layers, likes, strict=True)]
         keys, values = [k for k, _ in stores], [v for _, v in stores]
         narrow = self.narrow_runner is not None and rows * new <= NARROW_TOKENS

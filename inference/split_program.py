@@ -69,7 +69,7 @@ def split_program(program: ExportedProgram, share: float = 0.5) -> ProgramHalves
     cut = next(i for i, n in enumerate(nodes) if _block(n) == start)
     sizes = {n for n in nodes if _is_size(n)}  # each half computes the sizes it needs
     in_first = {n for n in nodes[:cut] if n not in sizes}
-    # outputs computed from the first half's values alone (the early layers' new cache entries, sliced at the end)
+    # outputs computed from the first half's values alone (the early layers' hidden states)
     # join it; what is computed from inputs alone and read only after the cut (the later layers' cache views)
     # joins the second: either way, fewer tensors cross
     for n in nodes[cut:]:
