@@ -22,6 +22,14 @@ questions of each category, one request at a time and all at once; the numbers t
 
     python scripts/vllm_check.py speed --out outputs/vllm-speed --dtype bfloat16 --per-category 1
 
+Where vLLM's speculation gains or loses on this CPU (its venv, after the `ours` step): the same prompts one request at a
+time with its compiled graphs, without speculation, with the heads, and as if the heads reached an acceptance length
+(vLLM's synthetic rejection sampling); `report` tabulates them:
+
+    python scripts/vllm_check.py spec-speed --out outputs/vllm-check
+    python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3
+    python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3 --synthetic-acceptance-length 3
+
 Both engines draft chains of `--depth` tokens (vLLM's EAGLE drafts chains), so their acceptance compares like
 with like: tau is new tokens per target forward pass, vLLM's is 1 + accepted draft tokens per draft.
 The vLLM half imports nothing from this project.
@@ -209,6 +217,74 @@ def run_vllm_speed(args) -> None:
     print(f"vLLM without heads, {len(prompts)} first turns, {args.dtype}: {speeds}")
 
 
+def run_vllm_spec_speed(args) -> None:
+    """Where vLLM's speculation gains or loses on this CPU: the `ours` step's prompts one request at a time, in
+    `--dtype` with vLLM's compiled graphs (as a user runs it), without speculation or (`--speculate`) with the exported
+    heads drafting chains of `--depth`. With `--synthetic-acceptance-length L`, vLLM's synthetic rejection sampling
+    accepts as if the heads reached L (outputs then differ from greedy; only the speed counts): what heads that good
+    would buy vLLM here. Appends tokens/s, the acceptance length and the seconds per decode step to spec-speed.json."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = Path(args.out)
+    setup = json.loads((out / "prompts.json").read_text())
+    speculative, label = None, "no speculation"
+    if args.speculate:
+        speculative = {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": args.depth}
+        label = f"chains of {args.depth}"
+        if args.synthetic_acceptance_length:
+            speculative.update(
+                rejection_sample_method="synthetic",
+                synthetic_acceptance_length=min(args.synthetic_acceptance_length, args.depth + 1),
+            )
+            label += f", synthetic acceptance length {speculative['synthetic_acceptance_length']:g}"
+    llm = LLM(
+        model=setup["target"],
+        speculative_config=speculative,
+        dtype=args.dtype,
+        max_model_len=2048,
+        seed=0,
+        disable_log_stats=False,  # keeps the speculation counters
+        gpu_memory_utilization=0.3,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=setup["max_new_tokens"])
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in setup["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    started, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    seconds = time.perf_counter() - started
+    drafts, accepted = (after - first for after, first in zip(_spec_counters(llm), before))
+    acceptance = 1 + accepted / drafts if drafts else 1.0
+    # decode steps: one per draft-and-verify (or per token without speculation); the prefill's token counts as one
+    steps = drafts if drafts else tokens - len(prompts)
+    record = {
+        "label": label,
+        "dtype": args.dtype,
+        "depth": args.depth if args.speculate else 0,
+        "tokens_per_second": tokens / seconds,
+        "acceptance_length": acceptance,
+        "ms_per_step": 1000 * seconds / max(steps + len(prompts), 1),
+    }
+    path = out / "spec-speed.json"
+    records = json.loads(path.read_text()) if path.is_file() else []
+    path.write_text(json.dumps([r for r in records if r["label"] != label or r["dtype"] != args.dtype] + [record]))
+    print(
+        f"{label}, {args.dtype}: {record['tokens_per_second']:.1f} tokens/s one request at a time, acceptance length "
+        f"{acceptance:.2f}, {record['ms_per_step']:.1f} ms a decode step"
+    )
+
+
+def _spec_counters(llm) -> tuple[float, float]:
+    """vLLM's running totals of drafts and accepted draft tokens (zero without speculation)."""
+    metrics = {m.name: m for m in llm.get_metrics()}
+    return tuple(
+        getattr(metrics.get(name), "value", 0.0)
+        for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+    )
+
+
 def run_vllm_serve(args) -> None:
     """`vllm serve` (its OpenAI-compatible server), with or without the exported heads: the prompts sent by
     CONCURRENCY clients at a time (each level after one untimed warm-up request); tokens/s over each level, every
@@ -333,6 +409,22 @@ def report(args) -> None:
     )
     if (out / "serve-plain.json").is_file() and (out / "serve-spec.json").is_file():
         concurrency_report(out, setup)
+    if (out / "spec-speed.json").is_file():
+        spec_speed_report(json.loads((out / "spec-speed.json").read_text()), len(ours))
+
+
+def spec_speed_report(records: list[dict], prompts: int) -> None:
+    """The spec-speed step's runs: vLLM one request at a time, each setting against no speculation in its dtype."""
+    plain = {r["dtype"]: r["tokens_per_second"] for r in records if r["depth"] == 0}
+    print(f"\nvLLM one request at a time ({prompts} prompts, compiled graphs; `vllm_check.py spec-speed`):\n")
+    print("| vLLM | dtype | tokens/s | acceptance length | ms a decode step | against no speculation |")
+    print("|---|---|---|---|---|---|")
+    for r in sorted(records, key=lambda r: (r["dtype"], r["depth"], r["label"])):
+        ratio = r["tokens_per_second"] / plain[r["dtype"]] if r["dtype"] in plain else float("nan")
+        print(
+            f"| {r['label']} | {r['dtype']} | {r['tokens_per_second']:.1f} | {r['acceptance_length']:.2f} | "
+            f"{r['ms_per_step']:.1f} | {ratio:.2f}x |"
+        )
 
 
 def concurrency_report(out: Path, setup: dict) -> None:
@@ -390,7 +482,7 @@ def concurrency_report(out: Path, setup: dict) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["ours", "vllm", "serve", "speed", "report"])
+    parser.add_argument("step", choices=["ours", "vllm", "serve", "speed", "spec-speed", "report"])
     parser.add_argument("--out", default="outputs/vllm-check")
     parser.add_argument(
         "--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)"
@@ -401,10 +493,18 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=3, help="draft tokens per step (vLLM's num_speculative_tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
-        "--speculate", action="store_true", help="vllm, serve: with the exported heads (else the plain baseline)"
+        "--speculate",
+        action="store_true",
+        help="vllm, serve, spec-speed: with the exported heads (else the plain baseline)",
     )
     parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
-    parser.add_argument("--dtype", default="bfloat16", help="speed: the dtype vLLM runs the target in")
+    parser.add_argument("--dtype", default="bfloat16", help="speed, spec-speed: the dtype vLLM runs the target in")
+    parser.add_argument(
+        "--synthetic-acceptance-length",
+        type=float,
+        default=None,
+        help="spec-speed: vLLM accepts drafts as if the heads reached this acceptance length (speed only)",
+    )
     parser.add_argument(
         "--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)"
     )
@@ -415,7 +515,14 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=8123, help="serve: the port vllm serve listens on")
     parser.add_argument("--startup-seconds", type=float, default=600, help="serve: seconds vllm serve may start in")
     args = parser.parse_args(argv)
-    steps = {"ours": run_ours, "vllm": run_vllm, "serve": run_vllm_serve, "speed": run_vllm_speed, "report": report}
+    steps = {
+        "ours": run_ours,
+        "vllm": run_vllm,
+        "serve": run_vllm_serve,
+        "speed": run_vllm_speed,
+        "spec-speed": run_vllm_spec_speed,
+        "report": report,
+    }
     steps[args.step](args)
 
 

@@ -41,3 +41,45 @@ def test_concurrency_report_tabulates_every_engine_and_counts_identical_outputs(
     assert "identical to without | 2/2 | 1/2 |" in printed
     assert "acceptance length through the server 1.50" in printed
     assert (tmp_path / "concurrency.png").stat().st_size > 0
+
+
+def test_spec_speed_report_sets_each_setting_against_no_speculation_in_its_own_dtype(capsys):
+    records = [
+        {
+            "label": "no speculation",
+            "dtype": "bfloat16",
+            "depth": 0,
+            "tokens_per_second": 40.0,
+            "acceptance_length": 1.0,
+            "ms_per_step": 25.0,
+        },
+        {
+            "label": "chains of 3",
+            "dtype": "bfloat16",
+            "depth": 3,
+            "tokens_per_second": 30.0,
+            "acceptance_length": 1.8,
+            "ms_per_step": 60.0,
+        },
+        {
+            "label": "no speculation",
+            "dtype": "float32",
+            "depth": 0,
+            "tokens_per_second": 20.0,
+            "acceptance_length": 1.0,
+            "ms_per_step": 50.0,
+        },
+        {
+            "label": "chains of 3",
+            "dtype": "float32",
+            "depth": 3,
+            "tokens_per_second": 30.0,
+            "acceptance_length": 2.5,
+            "ms_per_step": 83.0,
+        },
+    ]
+    vllm_check.spec_speed_report(records, prompts=20)
+    printed = capsys.readouterr().out
+    assert "| chains of 3 | bfloat16 | 30.0 | 1.80 | 60.0 | 0.75x |" in printed
+    assert "| chains of 3 | float32 | 30.0 | 2.50 | 83.0 | 1.50x |" in printed
+    assert "| no speculation | float32 | 20.0 | 1.00 | 50.0 | 1.00x |" in printed
