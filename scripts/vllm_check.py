@@ -28,7 +28,8 @@ time with its compiled graphs, without speculation, with the heads, and as if th
 
     python scripts/vllm_check.py spec-speed --out outputs/vllm-check
     python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3
-    python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3 --synthetic-acceptance-length 3
+    python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3 \
+        --synthetic-acceptance-length 3
 
 Both engines draft chains of `--depth` tokens (vLLM's EAGLE drafts chains), so their acceptance compares like
 with like: tau is new tokens per target forward pass, vLLM's is 1 + accepted draft tokens per draft.
