@@ -23,13 +23,10 @@ questions of each category, one request at a time and all at once; the numbers t
     python scripts/vllm_check.py speed --out outputs/vllm-speed --dtype bfloat16 --per-category 1
 
 Where vLLM's speculation gains or loses on this CPU (its venv, after the `ours` step): the same prompts one request at a
-time with its compiled graphs, without speculation, with the heads, and as if the heads reached an acceptance length
-(vLLM's synthetic rejection sampling); `report` tabulates them:
+time with its compiled graphs, without speculation and with the heads; `report` tabulates them:
 
     python scripts/vllm_check.py spec-speed --out outputs/vllm-check
     python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3
-    python scripts/vllm_check.py spec-speed --out outputs/vllm-check --speculate --depth 3 \
-        --synthetic-acceptance-length 3
 
 Both engines draft chains of `--depth` tokens (vLLM's EAGLE drafts chains), so their acceptance compares like
 with like: tau is new tokens per target forward pass, vLLM's is 1 + accepted draft tokens per draft.
@@ -221,9 +218,10 @@ def run_vllm_speed(args) -> None:
 def run_vllm_spec_speed(args) -> None:
     """Where vLLM's speculation gains or loses on this CPU: the `ours` step's prompts one request at a time, in
     `--dtype` with vLLM's compiled graphs (as a user runs it), without speculation or (`--speculate`) with the exported
-    heads drafting chains of `--depth`. With `--synthetic-acceptance-length L`, vLLM's synthetic rejection sampling
-    accepts as if the heads reached L (outputs then differ from greedy; only the speed counts): what heads that good
-    would buy vLLM here. Appends tokens/s, the acceptance length and the seconds per decode step to spec-speed.json."""
+    heads drafting chains of `--depth`. Appends tokens/s, the acceptance length and the milliseconds per decode step
+    to spec-speed.json: a step's cost against a plain step's says what acceptance length would pay. (vLLM's synthetic
+    rejection sampling, which would fake an acceptance length, is refused on a CPU: "not supported with CPU
+    sampling".)"""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -233,12 +231,6 @@ def run_vllm_spec_speed(args) -> None:
     if args.speculate:
         speculative = {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": args.depth}
         label = f"chains of {args.depth}"
-        if args.synthetic_acceptance_length:
-            speculative.update(
-                rejection_sample_method="synthetic",
-                synthetic_acceptance_length=min(args.synthetic_acceptance_length, args.depth + 1),
-            )
-            label += f", synthetic acceptance length {speculative['synthetic_acceptance_length']:g}"
     llm = LLM(
         model=setup["target"],
         speculative_config=speculative,
@@ -500,12 +492,6 @@ def main(argv=None):
     )
     parser.add_argument("--per-category", type=int, default=1, help="speed: the first N questions of each category")
     parser.add_argument("--dtype", default="bfloat16", help="speed, spec-speed: the dtype vLLM runs the target in")
-    parser.add_argument(
-        "--synthetic-acceptance-length",
-        type=float,
-        default=None,
-        help="spec-speed: vLLM accepts drafts as if the heads reached this acceptance length (speed only)",
-    )
     parser.add_argument(
         "--at-once", type=int, default=None, help="speed: requests sent together (default: all of them)"
     )
