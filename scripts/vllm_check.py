@@ -151,9 +151,8 @@ def run_vllm(args) -> None:
     seconds = time.perf_counter() - started
     record = {"outputs": [list(r.outputs[0].token_ids) for r in results], "seconds": seconds}
     if args.speculate:
+        drafts, accepted = _spec_counters(llm)
         metrics = {m.name: m for m in llm.get_metrics()}
-        drafts = metrics["vllm:spec_decode_num_drafts"].value
-        accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
         per_position = getattr(metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos"), "values", None)
         record.update(
             drafts=drafts,
