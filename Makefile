@@ -49,11 +49,13 @@ gpu-check: install
 # vLLM serving heads exported by this project, next to this engine (docs/interop.md): acceptance on chains, outputs
 # identical to vLLM's own greedy, throughput at 1, 4, 8 and 16 requests at a time through `vllm serve`, a chart.
 # vLLM pins another transformers, so it gets a venv of its own, built on first use (~2 minutes). By default the
-# shipped Medusa heads, exported to draft from every token; VLLM_HEADS=<an EAGLE-3-layout head> checks that instead.
+# shipped EAGLE-3-layout head (what vLLM loads), with this engine's throughput rows decoding with the shipped
+# own-layout head; VLLM_HEADS=outputs/vllm-check/medusa-heads checks the shipped Medusa heads instead.
 VLLM_VENV  ?= .venv-vllm
 VLLM_OUT   ?= outputs/vllm-check
-VLLM_HEADS ?= $(VLLM_OUT)/medusa-heads
-VLLM_DEPTH ?= 4
+VLLM_HEADS ?= checkpoints/smollm2-135m-instruct-eagle3
+ENGINE_HEADS ?= checkpoints/smollm2-135m-instruct-eagle
+VLLM_DEPTH ?= 3
 VLLM_PROMPTS ?= 20
 
 $(VLLM_VENV)/.installed:
@@ -67,8 +69,8 @@ $(VLLM_OUT)/medusa-heads/config.json: | $(VENV)/.installed
 		--to medusa --full-vocabulary
 
 vllm-check: install $(VLLM_VENV)/.installed $(VLLM_HEADS)/config.json
-	$(BIN)/python scripts/vllm_check.py ours --heads $(VLLM_HEADS) --out $(VLLM_OUT) --prompts $(VLLM_PROMPTS) \
-		--depth $(VLLM_DEPTH) --compile
+	$(BIN)/python scripts/vllm_check.py ours --heads $(VLLM_HEADS) --engine-heads $(ENGINE_HEADS) --out $(VLLM_OUT) \
+		--prompts $(VLLM_PROMPTS) --depth $(VLLM_DEPTH) --compile
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT)
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT) --speculate
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py serve --out $(VLLM_OUT)

