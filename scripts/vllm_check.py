@@ -435,10 +435,11 @@ def concurrency_report(out: Path, setup: dict) -> None:
     def served_rates(name: str) -> list[float]:
         return [served[name]["levels"][c]["tokens"] / served[name]["levels"][c]["seconds"] for c in levels]
 
-    engine_heads = Path(setup.get("engine_heads") or setup.get("heads") or "the heads").name
+    served_heads = Path(setup.get("heads") or "the heads").name
+    engine_heads = Path(setup.get("engine_heads") or served_heads).name
     rates = {
         "vLLM, no heads": served_rates("plain"),
-        "vLLM with the heads": served_rates("spec"),
+        f"vLLM with the heads ({served_heads})": served_rates("spec"),
         f"this project, default call ({engine_heads})": [ours["ours-default"][c] for c in levels],
         "this project, plain": [ours["ours-plain"][c] for c in levels],
     }
@@ -473,7 +474,7 @@ def concurrency_report(out: Path, setup: dict) -> None:
     axes.set_xticks([int(c) for c in levels])
     axes.set_title("Throughput by concurrency (float32, CPU)")
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.legend(loc="upper left", fontsize=8)  # the lines start low on the left and rise to the right
     figure.tight_layout()
     figure.savefig(out / "concurrency.png", dpi=120)
     print(f"\nchart: {out / 'concurrency.png'}")

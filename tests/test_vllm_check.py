@@ -33,10 +33,12 @@ def test_concurrency_report_tabulates_every_engine_and_counts_identical_outputs(
     (tmp_path / "serve-spec.json").write_text(json.dumps(spec))
     ours = {"ours-default": {"1": 30.0, "4": 60.0}, "ours-plain": {"1": 15.0, "4": 40.0}}
     (tmp_path / "ours-throughput.json").write_text(json.dumps(ours))
-    vllm_check.concurrency_report(tmp_path, {"prompts": [[1], [2]], "engine_heads": "checkpoints/own-head"})
+    vllm_check.concurrency_report(
+        tmp_path, {"prompts": [[1], [2]], "heads": "checkpoints/served-head", "engine_heads": "checkpoints/own-head"}
+    )
     printed = capsys.readouterr().out
     assert "| vLLM, no heads | 10.0 | 25.0 |" in printed
-    assert "| vLLM with the heads | 20.0 | 20.0 |" in printed
+    assert "| vLLM with the heads (served-head) | 20.0 | 20.0 |" in printed
     assert "| this project, default call (own-head) | 30.0 | 60.0 |" in printed
     assert "identical to without | 2/2 | 1/2 |" in printed
     assert "acceptance length through the server 1.50" in printed
