@@ -45,7 +45,6 @@ PART_SIZE = 48 * 2**20  # the GGUF's parts: each fits a call beside the 4 MiB tr
 WHEELS = ("gguf", "transformers", "huggingface_hub", "httpx2", "httpcore2", "truststore")
 # no network there: transformers would otherwise fetch hub kernels for the model's layers when loading it
 OFFLINE = "HF_HUB_OFFLINE=1 USE_HUB_KERNELS=0"
-GPU_HEADS = ("checkpoints/smollm2-135m-instruct-eagle-cpu-stage2", "checkpoints/smollm2-135m-instruct-medusa")
 HOOK_TEXT = f"""#!/bin/sh
 # written by scripts/device_kit.py hide
 if [ -f {KIT}/HIDDEN ]; then
@@ -105,6 +104,14 @@ def prepare(shared: Path) -> None:
     print(f"wrote {KIT}/: {len(manifest['parts'])} parts of {source.name}, {', '.join(versions)}, dev.jsonl")
 
 
+def gpu_heads() -> list[str]:
+    """The head checkpoints scripts/gpu_check.py loads, relative to the repository's root."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from gpu_check import HEAD_CHECKPOINTS  # imports the engine: here only, never on the device before unpacking
+
+    return [str(path.relative_to(REPO)) for path in HEAD_CHECKPOINTS.values()]
+
+
 def travelling_bytes() -> int:
     """What a device call sends besides its carry: tracked files and untracked ones git does not ignore."""
     names = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
@@ -125,7 +132,7 @@ def calls(manifest: dict, room: int) -> list[tuple[list[str], str]]:
     running the check."""
     every = [str(KIT / "manifest.json")]
     items = [[str(KIT / name)] for name in manifest["parts"]] + [[str(KIT / "wheels")]]
-    items.append([str(KIT / "dev.jsonl"), *GPU_HEADS])
+    items.append([str(KIT / "dev.jsonl"), *gpu_heads()])
     packed = [[]]
     for item in items:
         if packed[-1] and size(every + packed[-1] + item) > room:

@@ -69,7 +69,7 @@ def test_the_calls_carry_every_part_once_each_within_the_room_and_the_last_runs_
             ".device-kit/part-1",
             ".device-kit/wheels",
             ".device-kit/dev.jsonl",
-            *device_kit.GPU_HEADS,
+            *device_kit.gpu_heads(),
         ]
     )
     assert len(planned) == 3  # 600 + 400 bytes of parts, 500 of wheels: no two fit one call beside the manifest
