@@ -13,6 +13,7 @@ from heads import DraftVocabulary
 
 from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
+from ..draft_calibration import calibrated_log_probs
 from ..packed import packed_linear
 from ..padding import prefill_groups, right_padded_mask
 from ..transfer import read_together, to_device
@@ -78,13 +79,25 @@ class DynamicTreeDrafter(Drafter):
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
     draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
-    def __init__(self, vocab: DraftVocabulary, tree: DynamicTreeSpec | None, what: str, context_vocab: bool = True):
+    # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/calibrate_drafts.py records
+    # the drafts there
+    on_grown = None
+
+    def __init__(
+        self,
+        vocab: DraftVocabulary,
+        tree: DynamicTreeSpec | None,
+        what: str,
+        context_vocab: bool = True,
+        acceptance: list[float] | None = None,
+    ):
         if tree is not None and not isinstance(tree, DynamicTreeSpec):
             raise TreeError(
                 f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}"
             )
         vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
+        self.acceptance = acceptance  # the head's map to acceptance probabilities (inference.draft_calibration)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
@@ -286,7 +299,9 @@ class DynamicTreeDrafter(Drafter):
         rows, device = len(texts), self.last.device
         k = min(self.spec.top_k, self.vocab.weight.shape[0])  # a draft vocabulary may be tiny
         roots = torch.stack([text[-1] for text in texts])
-        nodes = DraftNodes(roots, drafted_nodes(deepest, k), self.vocab, deepest if self.draft_paths else 0)
+        nodes = DraftNodes(
+            roots, drafted_nodes(deepest, k), self.vocab, deepest if self.draft_paths else 0, self.acceptance
+        )
         frontier = nodes.add_children(
             torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
         )
@@ -308,6 +323,8 @@ class DynamicTreeDrafter(Drafter):
             frontier = children.gather(1, best)
             states = out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
         self.cache.crop(-sum(f.shape[1] for f in fed))
+        if self.on_grown is not None:
+            self.on_grown(texts, nodes, limits, k)
         return nodes, limits, k
 
     def _log_reliability(self, row: int) -> torch.Tensor:
@@ -391,15 +408,23 @@ class DraftNodes:
     """Trees being grown, one a row, in lockstep: node 0 is each root; children are appended level by level
     (the same count a level in every row, so node i has the same depth in every row) with their path scores."""
 
-    def __init__(self, roots: torch.Tensor, capacity: int, vocab: DraftVocabulary, path_depth: int = 0):
+    def __init__(
+        self,
+        roots: torch.Tensor,
+        capacity: int,
+        vocab: DraftVocabulary,
+        path_depth: int = 0,
+        acceptance: list[float] | None = None,
+    ):
         rows, device = roots.shape[0], roots.device
-        self.vocab, self.count, self.level = vocab, 1, 0
+        self.vocab, self.count, self.level, self.acceptance = vocab, 1, 0, acceptance
         # with path_depth: each node's tokens below the root, its own at [depth - 1] (the EAGLE head's copy input)
         self.paths = torch.zeros(rows, capacity, path_depth, dtype=torch.long, device=device) if path_depth else None
         self.tokens = torch.empty(rows, capacity, dtype=torch.long, device=device)
         self.parents = torch.empty_like(self.tokens)
         self.depth = torch.empty(capacity, dtype=torch.long, device=device)
-        self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)  # log-probability of the path
+        # the path's log-probability: the sum of its drafts' (calibrated, with `acceptance`: draft_calibration)
+        self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)
         self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
         self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
             roots,
@@ -418,7 +443,8 @@ class DraftNodes:
         parents = frontier.repeat_interleave(k, dim=1)
         self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
         self.depth[children] = self.depth[parents[0]] + 1
-        self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + top.values).flatten(1)
+        local = top.values if self.acceptance is None else calibrated_log_probs(top.values, self.acceptance)
+        self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + local).flatten(1)
         self.ancestors[:, children] = self.ancestors.gather(
             1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])
         )

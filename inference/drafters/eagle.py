@@ -33,7 +33,13 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         check_head_fits(head, model, "this EAGLE head")
-        super().__init__(head.draft_vocabulary(model.get_output_embeddings()), tree, "EAGLE", context_vocab)
+        super().__init__(
+            head.draft_vocabulary(model.get_output_embeddings()),
+            tree,
+            "EAGLE",
+            context_vocab,
+            head.config.acceptance_calibration,
+        )
         self.head, self.embed = head, model.get_input_embeddings()
         self.run_head = compiled_head(head, model)  # compiled like the target's passes, or the head itself
         self.hidden_layers = tuple(head.config.feature_layers)

@@ -24,7 +24,11 @@ class EarlyExitDrafter(DynamicTreeDrafter):
     def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         check_head_fits(head, model, "this early-exit head")
         super().__init__(
-            DraftVocabulary(model.get_output_embeddings(), head.draft_ids), tree, "early-exit", context_vocab
+            DraftVocabulary(model.get_output_embeddings(), head.draft_ids),
+            tree,
+            "early-exit",
+            context_vocab,
+            head.config.acceptance_calibration,
         )
         self.head = head
         self.run_head = compiled_head(head, model, CompiledEarlyExit)  # compiled like the target's passes, or the head

@@ -142,7 +142,13 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
                 f"{heads.config.num_heads}"
             )
         vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
-        super().__init__(vocab, tree, "sequential Medusa", context_vocab and heads.lm_heads is None)
+        super().__init__(
+            vocab,
+            tree,
+            "sequential Medusa",
+            context_vocab and heads.lm_heads is None,
+            heads.config.acceptance_calibration,
+        )
         self.heads, self.embed = heads, model.get_input_embeddings()
         self.reset()
 

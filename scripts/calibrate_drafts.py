@@ -1,0 +1,158 @@
+"""Fit a head's map from its draft probabilities to the target's acceptance (inference.draft_calibration) on
+held-out prompts, and write it into the checkpoint's config.json.
+
+    python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
+        --out /tmp/heldout.jsonl
+    python scripts/calibrate_drafts.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
+
+The head decodes each question's first turn greedily with a fixed dynamic tree, uncalibrated; every step's grown
+drafts (a few hundred) are kept and, once the answer is written, marked by whether the target wrote their path. The
+map is fitted on the drafts whose parent the target wrote (logistic regression), and the recorded steps are
+replayed to compare the tree the old and the new scores would have verified (the drafts each would have got
+accepted: the same steps, so an estimate; the benchmark measures the real thing). Use prompts the head did not
+train on, not the dev set. Works for every head that grows dynamic trees (EAGLE, early exit, sequential Medusa).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import chat_prompt, read_questions  # noqa: E402
+from heads import load_heads  # noqa: E402
+from heads.config import head_config_from_dict  # noqa: E402
+from heads.files import read_checkpoint_config  # noqa: E402
+from inference import DynamicTreeSpec, generate, load_target  # noqa: E402
+from inference.draft_calibration import (  # noqa: E402
+    calibrated_log_probs,
+    draft_outcomes,
+    fit_weights,
+    path_scores,
+)
+from inference.drafters import as_drafter  # noqa: E402
+from inference.drafters.dynamic import DynamicTreeDrafter, drafted_nodes  # noqa: E402
+from inference.tree import select_best_nodes  # noqa: E402
+
+
+def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpec, max_new_tokens: int) -> list:
+    """Every step's drafts of every prompt, uncalibrated, each as (local log-probs [N], accepted [N], parents,
+    depth)."""
+    head.config.acceptance_calibration = None  # record the head's own probabilities
+    drafter = as_drafter(head, model, tree)
+    if not isinstance(drafter, DynamicTreeDrafter):
+        raise SystemExit(f"{type(drafter).__name__} does not grow dynamic trees: it has no draft scores to calibrate")
+    steps, grown = [], []
+
+    def keep(texts, nodes, limits, k):
+        count = drafted_nodes(limits[0], k)
+        row = (nodes.tokens[0, :count], nodes.parents[0, :count], nodes.depth[:count], nodes.scores[0, :count])
+        grown.append((texts[0].shape[0], *(t.cpu() for t in row)))
+
+    drafter.on_grown = keep
+    for ids in tqdm(prompts, desc="decoding held-out prompts", unit="prompt"):
+        grown.clear()
+        out = generate(model, drafter, ids, max_new_tokens=max_new_tokens, lookup=False, fallback=False)
+        text = torch.cat([ids, torch.as_tensor(out.token_ids)])
+        for start, tokens, parents, depth, scores in grown:
+            local, accepted = draft_outcomes(tokens, parents, depth, scores, start, text)
+            steps.append((local, accepted, parents, depth))
+    return steps
+
+
+def accepted_drafts(steps: list, nodes: int, weights: list[float] | None) -> float:
+    """Drafts a step would get accepted, on average over `steps`, verifying the `nodes` best by path score
+    (calibrated by `weights`, or the head's own)."""
+    total = 0
+    for local, accepted, parents, depth in steps:
+        if weights is not None:
+            local = torch.cat([local[:1], calibrated_log_probs(local[1:], weights)])
+        keep = select_best_nodes(path_scores(parents, local), depth, nodes)
+        total += int((depth[keep] * accepted[keep]).max())
+    return total / max(len(steps), 1)
+
+
+def calibration_table(local: torch.Tensor, accepted: torch.Tensor, weights: list[float]) -> str:
+    """Markdown: by the head's probability, how often the target accepted, and what the map says."""
+    edges = [0.0, 0.02, 0.14, 0.37, 0.61, 0.82, 0.95, 1.0001]
+    p = local.exp()
+    rows = ["| head's probability | drafts | head (mean) | target accepted | map (mean) |", "|---|---|---|---|---|"]
+    mapped = calibrated_log_probs(local, weights).exp()
+    for low, high in zip(edges, edges[1:]):
+        inside = (p >= low) & (p < high)
+        if inside.any():
+            rows.append(
+                f"| {low:.2f}-{min(high, 1):.2f} | {int(inside.sum()):,} | {p[inside].mean():.3f} | "
+                f"{accepted[inside].double().mean():.3f} | {mapped[inside].mean():.3f} |"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def write_weights(checkpoint: Path, weights: list[float]) -> None:
+    """Set head.acceptance_calibration in the checkpoint's config.json, atomically (checked first)."""
+    config = read_checkpoint_config(checkpoint)
+    config["head"]["acceptance_calibration"] = list(weights)
+    head_config_from_dict(config["head"])  # refuse to write what load_heads would refuse to read
+    handle, staging = tempfile.mkstemp(prefix=".config.", suffix=".json", dir=checkpoint)
+    with os.fdopen(handle, "w") as file:
+        file.write(json.dumps(config, indent=2) + "\n")
+    os.chmod(staging, 0o644)
+    os.replace(staging, checkpoint / "config.json")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a head checkpoint directory of this project")
+    parser.add_argument("--questions", required=True, help="held-out prompts (scripts/heldout_questions.py)")
+    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--limit", type=int, default=64, help="at most this many questions (first turns)")
+    parser.add_argument("--depth", type=int, default=10)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=15, help="draft nodes the replay verifies a step")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--write", action="store_true", help="write the fitted map into CHECKPOINT/config.json")
+    parser.add_argument("--out", default=None, help="write the report (markdown) here too")
+    args = parser.parse_args(argv)
+    checkpoint = Path(args.checkpoint)
+    read_checkpoint_config(checkpoint)  # a clear error for a foreign or broken checkpoint, before the model loads
+
+    model, tokenizer = load_target(args.model, dtype="float32")
+    head = load_heads(checkpoint, model)
+    questions = read_questions(args.questions, args.limit)
+    prompts = [chat_prompt(tokenizer, question["turns"][:1]) for question in questions]
+    tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
+    steps = record_drafts(model, head, prompts, tree, args.max_new_tokens)
+
+    # the drafts whose parent the target wrote: whether the target wrote them too
+    wrote_parent = [accepted[parents[1:]] for _, accepted, parents, _ in steps]
+    local = torch.cat([step[0][1:][mask] for step, mask in zip(steps, wrote_parent)])
+    accepted = torch.cat([step[1][1:][mask] for step, mask in zip(steps, wrote_parent)])
+    weights = fit_weights(local, accepted)
+    before, after = accepted_drafts(steps, args.nodes, None), accepted_drafts(steps, args.nodes, weights)
+    report = (
+        f"Command: `python scripts/calibrate_drafts.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"{len(prompts)} prompts, {len(steps):,} decode steps, {local.numel():,} drafts whose parent the target wrote; "
+        f"tree depth {args.depth}, top-k {args.top_k}, {args.nodes} nodes, float32.\n\n"
+        f"Fitted map: w0 {weights[0]:.4f}, w1 {weights[1]:.4f}, w2 {weights[2]:.4f}.\n\n"
+        + calibration_table(local, accepted, weights)
+        + f"\nReplaying the recorded steps: tau {1 + before:.3f} with the head's own scores, {1 + after:.3f} with "
+        "the map's (the same steps: an estimate).\n"
+    )
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    if args.write:
+        write_weights(checkpoint, weights)
+        print(f"wrote head.acceptance_calibration into {checkpoint / 'config.json'}")
+
+
+if __name__ == "__main__":
+    main()
