@@ -94,8 +94,8 @@ class MedusaConfig:
     # grown a level (one head) at a time. False: Medusa-1, every head from the target's feature alone.
     sequential: bool = False
     # [w0, w1, w2] of the map from the head's probability of a draft to the target's acceptance of it, fitted on
-    # held-out prompts after training (scripts/calibrate_drafts.py, inference.draft_calibration); None: as it is
-    acceptance_calibration: list[float] | None = None
+    # held-out prompts after training (scripts/fit_acceptance_map.py, inference.acceptance_map); None: as it is
+    acceptance_map: list[float] | None = None
     kind: str = "medusa"
 
     def __post_init__(self):
@@ -103,7 +103,7 @@ class MedusaConfig:
             raise HeadConfigError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
         check_field_types(self, ("hidden_size", "vocab_size", "num_heads", "num_layers"))
         _check_draft_vocab(self)
-        _check_acceptance_calibration(self)
+        _check_acceptance_map(self)
         if self.own_lm_heads and self.draft_vocab_size is not None:
             raise HeadConfigError(
                 "MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must "
@@ -164,8 +164,8 @@ class EagleConfig:
     architecture: str = "specheads"
     fc_bias: bool | None = None  # the input layer's bias; None: yes, except in "eagle3" (which has none)
     # [w0, w1, w2] of the map from the head's probability of a draft to the target's acceptance of it, fitted on
-    # held-out prompts after training (scripts/calibrate_drafts.py, inference.draft_calibration); None: as it is
-    acceptance_calibration: list[float] | None = None
+    # held-out prompts after training (scripts/fit_acceptance_map.py, inference.acceptance_map); None: as it is
+    acceptance_map: list[float] | None = None
     kind: str = "eagle"
 
     def __post_init__(self):
@@ -187,7 +187,7 @@ class EagleConfig:
         )
         check_field_types(self, sizes)
         _check_draft_vocab(self)
-        _check_acceptance_calibration(self)
+        _check_acceptance_map(self)
         self.feature_layers = list(self.feature_layers)
         if not self.feature_layers:
             raise HeadConfigError("EagleConfig.feature_layers must name at least one target layer")
@@ -252,8 +252,8 @@ class EarlyExitConfig:
     lora_targets: list[str] | None = None  # module names in each layer, e.g. [q_proj, v_proj]; None = every linear map
     draft_vocab_size: int | None = None  # draft from the N most frequent tokens only (heads.vocab); None = all
     # [w0, w1, w2] of the map from the head's probability of a draft to the target's acceptance of it, fitted on
-    # held-out prompts after training (scripts/calibrate_drafts.py, inference.draft_calibration); None: as it is
-    acceptance_calibration: list[float] | None = None
+    # held-out prompts after training (scripts/fit_acceptance_map.py, inference.acceptance_map); None: as it is
+    acceptance_map: list[float] | None = None
     kind: str = "early_exit"
 
     def __post_init__(self):
@@ -261,7 +261,7 @@ class EarlyExitConfig:
             raise HeadConfigError(f"EarlyExitConfig.kind must be 'early_exit', got {self.kind!r}")
         check_field_types(self, ("hidden_size", "vocab_size", "exit_layer"))
         _check_draft_vocab(self)
-        _check_acceptance_calibration(self)
+        _check_acceptance_map(self)
         if self.lora_rank is not None and self.lora_rank < 1:
             raise HeadConfigError(
                 f"EarlyExitConfig.lora_rank must be >= 1, or null for no adapter; got {self.lora_rank}"
@@ -299,14 +299,14 @@ def _check_draft_vocab(config) -> None:
         )
 
 
-
-def _check_acceptance_calibration(config) -> None:
-    weights = config.acceptance_calibration
+def _check_acceptance_map(config) -> None:
+    weights = config.acceptance_map
     if weights is not None and (len(weights) != 3 or not weights[1] > 0 >= weights[2]):
         raise HeadConfigError(
-            f"{type(config).__name__}.acceptance_calibration must be null or [w0, w1, w2] with w1 > 0 >= w2 (a map "
-            f"that grows with the head's probability; scripts/calibrate_drafts.py fits it), got {weights!r}"
+            f"{type(config).__name__}.acceptance_map must be null or [w0, w1, w2] with w1 > 0 >= w2 (a map "
+            f"that grows with the head's probability; scripts/fit_acceptance_map.py fits it), got {weights!r}"
         )
+
 
 def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}

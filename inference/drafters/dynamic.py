@@ -11,9 +11,9 @@ import torch
 
 from heads import DraftVocabulary
 
+from ..acceptance_map import acceptance_log_probs
 from ..cache import append_rows, keep_paths, keep_rows, position_cache
 from ..context_vocab import ContextVocabulary
-from ..draft_calibration import calibrated_log_probs
 from ..packed import packed_linear
 from ..padding import prefill_groups, right_padded_mask
 from ..transfer import read_together, to_device
@@ -79,7 +79,7 @@ class DynamicTreeDrafter(Drafter):
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
     draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
-    # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/calibrate_drafts.py records
+    # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/fit_acceptance_map.py records
     # the drafts there
     on_grown = None
 
@@ -97,7 +97,7 @@ class DynamicTreeDrafter(Drafter):
             )
         vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
-        self.acceptance = acceptance  # the head's map to acceptance probabilities (inference.draft_calibration)
+        self.acceptance = acceptance  # the head's map to acceptance probabilities (inference.acceptance_map)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
         if candidates > MAX_CANDIDATES:
@@ -423,7 +423,7 @@ class DraftNodes:
         self.tokens = torch.empty(rows, capacity, dtype=torch.long, device=device)
         self.parents = torch.empty_like(self.tokens)
         self.depth = torch.empty(capacity, dtype=torch.long, device=device)
-        # the path's log-probability: the sum of its drafts' (calibrated, with `acceptance`: draft_calibration)
+        # the path's log-probability: the sum of its drafts' (mapped by `acceptance`: inference.acceptance_map)
         self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)
         self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
         self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
@@ -443,7 +443,7 @@ class DraftNodes:
         parents = frontier.repeat_interleave(k, dim=1)
         self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
         self.depth[children] = self.depth[parents[0]] + 1
-        local = top.values if self.acceptance is None else calibrated_log_probs(top.values, self.acceptance)
+        local = top.values if self.acceptance is None else acceptance_log_probs(top.values, self.acceptance)
         self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + local).flatten(1)
         self.ancestors[:, children] = self.ancestors.gather(
             1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])

@@ -38,7 +38,7 @@ class EagleDrafter(DynamicTreeDrafter):
             tree,
             "EAGLE",
             context_vocab,
-            head.config.acceptance_calibration,
+            head.config.acceptance_map,
         )
         self.head, self.embed = head, model.get_input_embeddings()
         self.run_head = compiled_head(head, model)  # compiled like the target's passes, or the head itself

@@ -28,7 +28,7 @@ class EarlyExitDrafter(DynamicTreeDrafter):
             tree,
             "early-exit",
             context_vocab,
-            head.config.acceptance_calibration,
+            head.config.acceptance_map,
         )
         self.head = head
         self.run_head = compiled_head(head, model, CompiledEarlyExit)  # compiled like the target's passes, or the head

@@ -147,7 +147,7 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
             tree,
             "sequential Medusa",
             context_vocab and heads.lm_heads is None,
-            heads.config.acceptance_calibration,
+            heads.config.acceptance_map,
         )
         self.heads, self.embed = heads, model.get_input_embeddings()
         self.reset()

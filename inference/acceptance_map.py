@@ -8,8 +8,8 @@ and a deep chain are then weighed wrongly against each other. A logistic map of 
 
     P(accepted | the parent accepted) = sigmoid(w0 + w1 * log p + w2 * log(1 - p)),    w1 > 0 >= w2,
 
-fitted on held-out prompts (scripts/calibrate_drafts.py), corrects it; a node's path score becomes the sum of its
-ancestors' calibrated log-probabilities. The map increases with p, so each node keeps its own likeliest children,
+fitted on held-out prompts (scripts/fit_acceptance_map.py), corrects it; a node's path score becomes the sum of its
+ancestors' mapped log-probabilities. The map increases with p, so each node keeps its own likeliest children,
 and a child never scores above its parent (the selection stays ancestor-closed). Only which drafts are verified
 changes, never what the target accepts.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 LOG_ONE_MINUS_FLOOR = math.log(1e-6)  # log(1 - p) for p within 1e-6 of 1: a draft the head is sure of
 
 
-def calibrated_log_probs(log_probs: torch.Tensor, weights: list[float] | tuple[float, ...]) -> torch.Tensor:
+def acceptance_log_probs(log_probs: torch.Tensor, weights: list[float] | tuple[float, ...]) -> torch.Tensor:
     """log P(accepted | parent accepted) for drafts the head gives log-probabilities `log_probs` (any shape).
     -inf stays -inf (an impossible draft); NaN stays NaN."""
     w0, w1, w2 = weights
@@ -36,7 +36,7 @@ def draft_outcomes(
     tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor, start: int, text
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's drafts against what the target went on to write. The nodes (root first, a parent before its
-    children: tokens, parents, depth, uncalibrated path log-probabilities `scores`, all [N]) were grown after a text
+    children: tokens, parents, depth, the head's own path log-probabilities `scores`, all [N]) were grown after a text
     whose next token sits at `start` of `text` (the whole decoded sequence, 1-D). Returns each node's log-probability
     given its parent (the root's 0) and whether the target wrote its path (the root: True), both [N]."""
     tokens, parents, depth, scores = (t.tolist() for t in (tokens, parents, depth, scores))
@@ -70,6 +70,7 @@ def fit_weights(log_probs: torch.Tensor, accepted: torch.Tensor, steps: int = 20
     log_p = log_probs[finite].double().clamp(max=0.0)
     target = accepted[finite].double()
     log_rest = torch.log1p(-log_p.exp()).clamp(min=LOG_ONE_MINUS_FLOOR)
+
     def inverse_softplus(value: float) -> float:
         return math.log(math.expm1(value))
 

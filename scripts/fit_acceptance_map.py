@@ -1,11 +1,11 @@
-"""Fit a head's map from its draft probabilities to the target's acceptance (inference.draft_calibration) on
+"""Fit a head's map from its draft probabilities to the target's acceptance (inference.acceptance_map) on
 held-out prompts, and write it into the checkpoint's config.json.
 
     python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
         --out /tmp/heldout.jsonl
-    python scripts/calibrate_drafts.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
+    python scripts/fit_acceptance_map.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
 
-The head decodes each question's first turn greedily with a fixed dynamic tree, uncalibrated; every step's grown
+The head decodes each question's first turn greedily with a fixed dynamic tree and its own scores; every step's grown
 drafts (a few hundred) are kept and, once the answer is written, marked by whether the target wrote their path. The
 map is fitted on the drafts whose parent the target wrote (logistic regression), and the recorded steps are
 replayed to compare the tree the old and the new scores would have verified (the drafts each would have got
@@ -32,8 +32,8 @@ from heads import load_heads  # noqa: E402
 from heads.config import head_config_from_dict  # noqa: E402
 from heads.files import read_checkpoint_config  # noqa: E402
 from inference import DynamicTreeSpec, generate, load_target  # noqa: E402
-from inference.draft_calibration import (  # noqa: E402
-    calibrated_log_probs,
+from inference.acceptance_map import (  # noqa: E402
+    acceptance_log_probs,
     draft_outcomes,
     fit_weights,
     path_scores,
@@ -44,12 +44,12 @@ from inference.tree import select_best_nodes  # noqa: E402
 
 
 def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpec, max_new_tokens: int) -> list:
-    """Every step's drafts of every prompt, uncalibrated, each as (local log-probs [N], accepted [N], parents,
-    depth)."""
-    head.config.acceptance_calibration = None  # record the head's own probabilities
+    """Every step's drafts of every prompt, scored by the head itself, each as (local log-probs [N], accepted [N],
+    parents, depth)."""
+    head.config.acceptance_map = None  # record the head's own probabilities
     drafter = as_drafter(head, model, tree)
     if not isinstance(drafter, DynamicTreeDrafter):
-        raise SystemExit(f"{type(drafter).__name__} does not grow dynamic trees: it has no draft scores to calibrate")
+        raise SystemExit(f"{type(drafter).__name__} does not grow dynamic trees: it has no draft scores to map")
     steps, grown = [], []
 
     def keep(texts, nodes, limits, k):
@@ -70,22 +70,22 @@ def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpe
 
 def accepted_drafts(steps: list, nodes: int, weights: list[float] | None) -> float:
     """Drafts a step would get accepted, on average over `steps`, verifying the `nodes` best by path score
-    (calibrated by `weights`, or the head's own)."""
+    (mapped by `weights`, or the head's own)."""
     total = 0
     for local, accepted, parents, depth in steps:
         if weights is not None:
-            local = torch.cat([local[:1], calibrated_log_probs(local[1:], weights)])
+            local = torch.cat([local[:1], acceptance_log_probs(local[1:], weights)])
         keep = select_best_nodes(path_scores(parents, local), depth, nodes)
         total += int((depth[keep] * accepted[keep]).max())
     return total / max(len(steps), 1)
 
 
-def calibration_table(local: torch.Tensor, accepted: torch.Tensor, weights: list[float]) -> str:
+def map_table(local: torch.Tensor, accepted: torch.Tensor, weights: list[float]) -> str:
     """Markdown: by the head's probability, how often the target accepted, and what the map says."""
     edges = [0.0, 0.02, 0.14, 0.37, 0.61, 0.82, 0.95, 1.0001]
     p = local.exp()
     rows = ["| head's probability | drafts | head (mean) | target accepted | map (mean) |", "|---|---|---|---|---|"]
-    mapped = calibrated_log_probs(local, weights).exp()
+    mapped = acceptance_log_probs(local, weights).exp()
     for low, high in zip(edges, edges[1:]):
         inside = (p >= low) & (p < high)
         if inside.any():
@@ -97,9 +97,9 @@ def calibration_table(local: torch.Tensor, accepted: torch.Tensor, weights: list
 
 
 def write_weights(checkpoint: Path, weights: list[float]) -> None:
-    """Set head.acceptance_calibration in the checkpoint's config.json, atomically (checked first)."""
+    """Set head.acceptance_map in the checkpoint's config.json, atomically (checked first)."""
     config = read_checkpoint_config(checkpoint)
-    config["head"]["acceptance_calibration"] = list(weights)
+    config["head"]["acceptance_map"] = list(weights)
     head_config_from_dict(config["head"])  # refuse to write what load_heads would refuse to read
     handle, staging = tempfile.mkstemp(prefix=".config.", suffix=".json", dir=checkpoint)
     with os.fdopen(handle, "w") as file:
@@ -138,11 +138,11 @@ def main(argv=None) -> None:
     weights = fit_weights(local, accepted)
     before, after = accepted_drafts(steps, args.nodes, None), accepted_drafts(steps, args.nodes, weights)
     report = (
-        f"Command: `python scripts/calibrate_drafts.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Command: `python scripts/fit_acceptance_map.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
         f"{len(prompts)} prompts, {len(steps):,} decode steps, {local.numel():,} drafts whose parent the target wrote; "
         f"tree depth {args.depth}, top-k {args.top_k}, {args.nodes} nodes, float32.\n\n"
         f"Fitted map: w0 {weights[0]:.4f}, w1 {weights[1]:.4f}, w2 {weights[2]:.4f}.\n\n"
-        + calibration_table(local, accepted, weights)
+        + map_table(local, accepted, weights)
         + f"\nReplaying the recorded steps: tau {1 + before:.3f} with the head's own scores, {1 + after:.3f} with "
         "the map's (the same steps: an estimate).\n"
     )
@@ -151,7 +151,7 @@ def main(argv=None) -> None:
         Path(args.out).write_text(report)
     if args.write:
         write_weights(checkpoint, weights)
-        print(f"wrote head.acceptance_calibration into {checkpoint / 'config.json'}")
+        print(f"wrote head.acceptance_map into {checkpoint / 'config.json'}")
 
 
 if __name__ == "__main__":
