@@ -109,6 +109,11 @@ class MedusaConfig:
                 "MedusaConfig: heads with lm_heads of their own draft from the whole vocabulary: draft_vocab_size must "
                 "be null"
             )
+        if self.acceptance_map is not None and not self.sequential:
+            raise HeadConfigError(
+                "MedusaConfig.acceptance_map ranks the drafts of trees grown level by level, which only sequential "
+                "heads grow: set sequential: true, or acceptance_map: null"
+            )
         if self.sequential and self.own_lm_heads:
             raise HeadConfigError(
                 "MedusaConfig: own_lm_heads is for heads read from Medusa's files, which have no sequential heads: set "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead, HeadConfigError, load_heads, save_heads
+from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, load_heads, save_heads
 from inference import DynamicTreeSpec, EagleDrafter, generate
 from inference.acceptance_map import acceptance_log_probs, draft_outcomes, fit_weights, path_scores
 
@@ -63,6 +63,9 @@ def test_the_config_takes_only_a_map_that_grows_with_the_heads_probability(tmp_p
     for wrong in ([0.9, -1.3, -0.8], [0.9, 1.3, 0.5], [0.9, 1.3], [0.9, "1.3", -0.8]):
         with pytest.raises(HeadConfigError, match="acceptance_map"):
             EagleConfig.for_target(model.config, acceptance_map=wrong)
+    with pytest.raises(HeadConfigError, match="only sequential"):
+        MedusaConfig.for_target(model.config, acceptance_map=[0.9, 1.3, -0.8])
+    assert MedusaConfig.for_target(model.config, sequential=True, acceptance_map=[0.9, 1.3, -0.8]).acceptance_map
 
 
 def test_a_head_with_a_map_scores_paths_by_the_map_and_stays_exact():
