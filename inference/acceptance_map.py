@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .tree import Tree, on_committed_path
+
 LOG_ONE_MINUS_FLOOR = math.log(1e-6)  # log(1 - p) for p within 1e-6 of 1: a draft the head is sure of
 
 
@@ -33,29 +35,19 @@ def acceptance_log_probs(log_probs: torch.Tensor, weights: list[float] | tuple[f
 
 
 def draft_outcomes(
-    tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor, start: int, text
+    tree: Tree, scores: torch.Tensor, start: int, text: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's drafts against what the target went on to write. The nodes (root first, a parent before its
-    children: tokens, parents, depth, the head's own path log-probabilities `scores`, all [N]) were grown after a text
-    whose next token sits at `start` of `text` (the whole decoded sequence, 1-D). Returns each node's log-probability
-    given its parent (the root's 0) and whether the target wrote its path (the root: True), both [N]."""
-    tokens, parents, depth, scores = (t.tolist() for t in (tokens, parents, depth, scores))
-    text = text.tolist() if isinstance(text, torch.Tensor) else list(text)
-    accepted, local = [True] + [False] * (len(tokens) - 1), [0.0] * len(tokens)
-    for node in range(1, len(tokens)):
-        parent, at = parents[node], start + depth[node] - 1
-        accepted[node] = accepted[parent] and at < len(text) and tokens[node] == text[at]
-        local[node] = scores[node] - scores[parent]
-    return torch.tensor(local, dtype=torch.float64), torch.tensor(accepted, dtype=torch.bool)
+    """One step's drafts against what the target went on to write: `tree` holds the grown nodes (root first) and
+    `scores` [N] their path log-probabilities by the head itself; they were grown after a text whose next token sits
+    at `start` of `text` (the whole decoded sequence, 1-D). Returns each node's log-probability given its parent (the
+    root's 0) and whether the target wrote its path (the root: True), both [N]."""
+    local = scores.double() - torch.where(tree.parents >= 0, scores.double()[tree.parents.clamp(min=0)], 0.0)
+    return local, on_committed_path(tree, text[start:])
 
 
-def path_scores(parents: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """Each node's path score, the sum of `local` over it and its ancestors (root first, a parent before its
-    children)."""
-    scores = local.clone()
-    for node, parent in enumerate(parents.tolist()[1:], start=1):
-        scores[node] += scores[parent]
-    return scores
+def path_scores(tree: Tree, local: torch.Tensor) -> torch.Tensor:
+    """Each node's path score: the sum of `local` [N] over the node and its ancestors."""
+    return tree.ancestors.to(local.dtype) @ local
 
 
 def fit_weights(log_probs: torch.Tensor, accepted: torch.Tensor, steps: int = 200) -> list[float]:

@@ -285,18 +285,22 @@ def subtree(tokens, parents, depth, ancestors, keep: torch.Tensor, *, read_depth
     return Tree(tokens[keep], kept_parents, kept_depth, ancestors[keep][:, keep], max_depth)
 
 
-def matched_depth(tree: Tree, committed: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
-    """How many of the `committed` tokens (what the target chose after the root, in order) the tree holds as a path
-    from its root, through nodes `counted` [N] bool only (None: all): the drafts it got accepted. A 0-dim tensor,
-    worked out on the device."""
+def on_committed_path(tree: Tree, committed: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] bool: whether each node's path from the root spells the first `committed` tokens (what the target chose
+    after the root, in order), through nodes `counted` [N] bool only (None: all). The root always does."""
     if committed.shape[0] == 0:
-        return torch.zeros((), dtype=torch.long, device=tree.depth.device)
+        return tree.depth == 0
     wanted = committed[(tree.depth - 1).clamp(0, committed.shape[0] - 1)]  # the committed token at each node's depth
     holds = (tree.depth == 0) | ((tree.depth <= committed.shape[0]) & (tree.tokens == wanted))
     if counted is not None:
         holds = holds & counted
-    on_path = ~(tree.ancestors & ~holds).any(dim=-1)  # the node and all its ancestors hold
-    return (tree.depth * on_path).max()
+    return ~(tree.ancestors & ~holds).any(dim=-1)  # the node and all its ancestors hold
+
+
+def matched_depth(tree: Tree, committed: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of the `committed` tokens the tree holds as a path from its root, through nodes `counted` only
+    (on_committed_path): the drafts it got accepted. A 0-dim tensor, worked out on the device."""
+    return (tree.depth * on_committed_path(tree, committed, counted)).max()
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

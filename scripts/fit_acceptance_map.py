@@ -40,12 +40,12 @@ from inference.acceptance_map import (  # noqa: E402
 )
 from inference.drafters import as_drafter  # noqa: E402
 from inference.drafters.dynamic import DynamicTreeDrafter, drafted_nodes  # noqa: E402
-from inference.tree import select_best_nodes  # noqa: E402
+from inference.tree import Tree, select_best_nodes  # noqa: E402
 
 
 def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpec, max_new_tokens: int) -> list:
-    """Every step's drafts of every prompt, scored by the head itself, each as (local log-probs [N], accepted [N],
-    parents, depth)."""
+    """Every step's drafts of every prompt, scored by the head itself, each as (the grown nodes as a Tree, their
+    log-probabilities given their parents [N], whether the target wrote their paths [N])."""
     head.config.acceptance_map = None  # record the head's own probabilities
     drafter = as_drafter(head, model, tree)
     if not isinstance(drafter, DynamicTreeDrafter):
@@ -54,7 +54,7 @@ def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpe
 
     def keep(texts, nodes, limits, k):
         count = drafted_nodes(limits[0], k)
-        row = (nodes.tokens[0, :count], nodes.parents[0, :count], nodes.depth[:count], nodes.scores[0, :count])
+        row = (nodes.tokens[0, :count], nodes.parents[0, :count], nodes.scores[0, :count])
         grown.append((texts[0].shape[0], *(t.cpu() for t in row)))
 
     drafter.on_grown = keep
@@ -62,9 +62,9 @@ def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpe
         grown.clear()
         out = generate(model, drafter, ids, max_new_tokens=max_new_tokens, lookup=False, fallback=False)
         text = torch.cat([ids, torch.as_tensor(out.token_ids)])
-        for start, tokens, parents, depth, scores in grown:
-            local, accepted = draft_outcomes(tokens, parents, depth, scores, start, text)
-            steps.append((local, accepted, parents, depth))
+        for start, tokens, parents, scores in grown:
+            nodes = Tree.from_parents(tokens, parents, check=False)
+            steps.append((nodes, *draft_outcomes(nodes, scores, start, text)))
     return steps
 
 
@@ -72,11 +72,11 @@ def accepted_drafts(steps: list, nodes: int, weights: list[float] | None) -> flo
     """Drafts a step would get accepted, on average over `steps`, verifying the `nodes` best by path score
     (mapped by `weights`, or the head's own)."""
     total = 0
-    for local, accepted, parents, depth in steps:
+    for tree, local, accepted in steps:
         if weights is not None:
             local = torch.cat([local[:1], acceptance_log_probs(local[1:], weights)])
-        keep = select_best_nodes(path_scores(parents, local), depth, nodes)
-        total += int((depth[keep] * accepted[keep]).max())
+        keep = select_best_nodes(path_scores(tree, local), tree.depth, nodes)
+        total += int((tree.depth[keep] * accepted[keep]).max())
     return total / max(len(steps), 1)
 
 
@@ -132,9 +132,9 @@ def main(argv=None) -> None:
     steps = record_drafts(model, head, prompts, tree, args.max_new_tokens)
 
     # the drafts whose parent the target wrote: whether the target wrote them too
-    wrote_parent = [accepted[parents[1:]] for _, accepted, parents, _ in steps]
-    local = torch.cat([step[0][1:][mask] for step, mask in zip(steps, wrote_parent)])
-    accepted = torch.cat([step[1][1:][mask] for step, mask in zip(steps, wrote_parent)])
+    wrote_parent = [accepted[tree.parents[1:]] for tree, _, accepted in steps]
+    local = torch.cat([step[1][1:][mask] for step, mask in zip(steps, wrote_parent)])
+    accepted = torch.cat([step[2][1:][mask] for step, mask in zip(steps, wrote_parent)])
     weights = fit_weights(local, accepted)
     before, after = accepted_drafts(steps, args.nodes, None), accepted_drafts(steps, args.nodes, weights)
     report = (

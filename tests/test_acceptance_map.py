@@ -11,7 +11,7 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, HeadConfigError, MedusaConfig, load_heads, save_heads
-from inference import DynamicTreeSpec, EagleDrafter, generate
+from inference import DynamicTreeSpec, EagleDrafter, Tree, generate
 from inference.acceptance_map import acceptance_log_probs, draft_outcomes, fit_weights, path_scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -47,11 +47,13 @@ def test_draft_outcomes_follow_what_the_target_wrote():
     depth = torch.tensor([0, 1, 1, 2, 2, 2])
     scores = torch.tensor([0.0, -0.1, -2.0, -0.5, -3.0, -2.2])
     text = torch.tensor([1, 2, 5, 7, 9])  # the root at 2: the target wrote 7, then 9, then stopped
-    local, accepted = draft_outcomes(tokens, parents, depth, scores, 3, text)
+    tree = Tree.from_parents(tokens, parents)
+    assert tree.depth.tolist() == depth.tolist()
+    local, accepted = draft_outcomes(tree, scores, 3, text)
     assert accepted.tolist() == [True, True, False, True, False, False]
     assert local.tolist() == pytest.approx([0.0, -0.1, -2.0, -0.4, -2.9, -0.2])
-    assert path_scores(parents, local).tolist() == pytest.approx(scores.tolist())
-    _, past_the_end = draft_outcomes(tokens, parents, depth, scores, 4, text)  # 7 is not what follows 7
+    assert path_scores(tree, local).tolist() == pytest.approx(scores.tolist())
+    _, past_the_end = draft_outcomes(tree, scores, 4, text)  # 7 is not what follows 7
     assert past_the_end.tolist() == [True, False, False, False, False, False]
 
 
@@ -75,7 +77,10 @@ def test_a_head_with_a_map_scores_paths_by_the_map_and_stays_exact():
     drafter = EagleDrafter(head, model, DynamicTreeSpec(depth=4, top_k=3, nodes=8))
     grown = []
     drafter.on_grown = lambda texts, nodes, limits, k: grown.append(
-        (nodes.parents[0, : nodes.count].clone(), nodes.scores[0, : nodes.count].clone())
+        (
+            Tree.from_parents(nodes.tokens[0, : nodes.count].clone(), nodes.parents[0, : nodes.count].clone()),
+            nodes.scores[0, : nodes.count].clone(),
+        )
     )
     prompt = torch.randint(4, 97, (10,), generator=torch.Generator().manual_seed(2))
     out = generate(model, drafter, prompt, max_new_tokens=24, fallback=False)
@@ -86,10 +91,10 @@ def test_a_head_with_a_map_scores_paths_by_the_map_and_stays_exact():
     unmapped.on_grown = lambda texts, nodes, limits, k: raw.append(nodes.scores[0, : nodes.count].clone())
     assert generate(model, unmapped, prompt, max_new_tokens=24, fallback=False).token_ids == out.token_ids
     # the first step grew from the same state: its scores are the map of the head's own, summed along each path
-    parents, scores = grown[0]
-    own_local = raw[0] - torch.where(parents >= 0, raw[0][parents.clamp(min=0)], torch.zeros_like(raw[0]))
+    tree, scores = grown[0]
+    own_local = raw[0] - torch.where(tree.parents >= 0, raw[0][tree.parents.clamp(min=0)], torch.zeros_like(raw[0]))
     mapped = torch.cat([own_local[:1], acceptance_log_probs(own_local[1:], [0.9, 1.3, -0.8])])
-    assert scores == pytest.approx(path_scores(parents, mapped), abs=1e-4)
+    assert scores == pytest.approx(path_scores(tree, mapped), abs=1e-4)
 
 
 def test_the_script_fits_the_map_on_held_out_prompts_and_writes_it(tiny_chat, tmp_path):
