@@ -2,37 +2,37 @@
 
     python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype auto] [--batch N] [--refresh]
 
-The best tree depends on the hardware: here a bfloat16 pass over 16 tokens costs ~1.3x a one-token pass,
-a float32 one ~2x. The measurement takes a few seconds and is cached per (model, heads, dtype, device,
-threads, torch version) under ~/.cache/specheads/calibration/; `load_or_measure` reads it back, and the
-command line and the benchmark size EAGLE trees with it (DynamicTreeSpec(cost=...)).
+The best tree depends on the hardware: how much more a pass over k tokens costs than a one-token pass, and what
+a draft level costs, differ by instruction set and dtype. The measurement takes seconds and is kept in the
+artefact store (inference.store) per (model, heads, dtype, device, threads, compiled packages, torch version);
+`load_or_measure` reads it back, and generate() sizes its trees with it (DynamicTreeSpec(cost=...)). A measurement
+that the machine's load could have distorted (other processes busy meanwhile, its rounds disagreeing, a cost that
+cannot be right) is taken again; if it stays doubtful it serves this process only, with a warning.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import platform
 import statistics
 import sys
 import time
 import warnings
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from heads import TargetFingerprint
 from heads.attention import grouped_attention
 from heads.files import written_atomically
 
+from . import store
 from .accept import Sampling
 from .cache import new_cache
 from .compiled import compiled_settings, decoding_pass, is_compiled
 from .compiled_heads import warm_up
+from .doubts import Measurement, busy_elsewhere_since, doubt_about
 from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees
 from .loop import decode
 from .tree import chain_inputs
@@ -41,15 +41,10 @@ from .tree_size import DynamicTreeSpec, PassCost
 # 4 and 5 both: on a CPU, passes of up to 4 tokens run through a package of their own (inference.compiled.NARROW_TOKENS)
 # and cost much less than those of 5, so no cost between them is interpolated
 TOKEN_COUNTS = (1, 2, 4, 5, 8, 12, 16, 24, 32, 48)
-# part of the cache key: calibrations measured the older ways (one pass count at a time; keys and values copied for
-# every query head; a batch's widths measured sparsely; drafting one token a row, the rows aligned; drafting timed apart
-# from the loop; the early-exit draft eager beside a compiled target; no pass of 5 tokens) are measured again
-MEASUREMENT_VERSION = 8
 # Tokens a row: a batch's trees are smaller, and every width is measured, as a batch's cost is not smooth in it. Matrix
 # products run in blocks of rows: at 8 rows a bfloat16 pass over 3 tokens a row cost what one over 4 did (Xeon, AMX),
 # 7 what 8 did, so an interpolated cost at 5 or 7 would buy widths that waste a block.
 BATCH_TOKEN_COUNTS = tuple(range(1, 17))
-CALIBRATION_DIR = Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads")) / "calibration"
 
 
 def device_name(device: torch.device) -> str:
@@ -64,9 +59,9 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def interleaved_medians(runs, repeats: int) -> list[float]:
-    """The median seconds of each run, measured in rounds (each run once a round) so that a burst of load from
-    elsewhere on the machine slows every run alike instead of one of them."""
+def interleaved_times(runs, repeats: int) -> list[list[float]]:
+    """The seconds of each run in each round (each run once a round), so that a burst of load from elsewhere on the
+    machine slows every run alike instead of one of them."""
     for run in runs:
         run()  # warm-up
     times = [[] for _ in runs]
@@ -79,7 +74,11 @@ def interleaved_medians(runs, repeats: int) -> list[float]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             spent.append(time.perf_counter() - started)
-    return [statistics.median(spent) for spent in times]
+    return times
+
+
+def interleaved_medians(runs, repeats: int) -> list[float]:
+    return [statistics.median(spent) for spent in interleaved_times(runs, repeats)]
 
 
 def median_seconds(run, repeats: int) -> float:
@@ -96,8 +95,8 @@ def measure(
     context: int = 256,
     token_counts=None,
     repeats: int = 7,
-) -> tuple[PassCost, float]:
-    """(PassCost relative to a one-token pass, seconds of that one-token pass), with `context` tokens cached, for
+) -> Measurement:
+    """The PassCost relative to a one-token pass (and the seconds of that pass), with `context` tokens cached, for
     `batch` sequences verified together (a batch's pass costs more, so each row's tree pays for fewer drafts).
 
     Each pass is a verification pass as generate() makes it (4D tree mask, explicit positions), every row
@@ -117,7 +116,7 @@ def measure(
         )
 
 
-def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> tuple[PassCost, float]:
+def _measure(model, head, spec, batch: int, context: int, token_counts, repeats: int) -> Measurement:
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (batch, context), generator=generator).to(model.device)
@@ -136,7 +135,10 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
         )
         cache.crop(-k)
 
-    seconds = interleaved_medians([lambda k=k: verify(k) for k in token_counts], repeats)
+    times = interleaved_times([lambda k=k: verify(k) for k in token_counts], repeats)
+    seconds = [statistics.median(spent) for spent in times]
+    halves = [(statistics.median(times[i][::2]), statistics.median(times[i][1::2])) for i in (0, -1)]
+    disagreement = max(abs(a - b) / min(a, b) for a, b in halves)
     # a pass over fewer tokens never costs more than one over more: a measurement that noise inflated is capped
     seconds = [min(seconds[i:]) for i in range(len(seconds))]
     draft_level = draft_step = 0.0
@@ -155,7 +157,7 @@ def _measure(model, head, spec, batch: int, context: int, token_counts, repeats:
         level = max(deep - shallow, 0.0) / (depth - 1)
         draft_level, draft_step = level / seconds[0], max(shallow - level - seconds[1], 0.0) / seconds[0]
     cost = PassCost(tuple(token_counts), tuple(s / seconds[0] for s in seconds), draft_level, draft_step)
-    return cost, seconds[0]
+    return Measurement(cost, seconds[0], disagreement)
 
 
 class _StepClock:
@@ -208,37 +210,20 @@ def loop_step_seconds(model, head, specs: list[DynamicTreeSpec], prompts: torch.
 
 def cache_path(model, head: TrainedHeads | None, spec: DynamicTreeSpec | None, batch: int = 1) -> Path:
     parts = [
-        unchanged_since_last(model, "target", lambda: TargetFingerprint.of(model).weights_sha256),
+        store.weights_digest(model),
         str(model.dtype),
         device_name(model.device),
         torch.get_num_threads(),
         torch.__version__,
         compiled_settings(model),
-        None if head is None else unchanged_since_last(head, "head", lambda: head_id(head)),
+        None if head is None else (repr(head.config), store.weights_digest(head)),
         None if spec is None else (spec.depth, spec.top_k),
-        MEASUREMENT_VERSION,
         batch,
     ]
-    return CALIBRATION_DIR / f"{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}.json"
+    return store.artefact_path("calibration", f"{store.artefact_key(*parts)}.json")
 
 
-def head_id(head: TrainedHeads) -> str:
-    weights = b"".join(p.detach().float().cpu().numpy().tobytes()[:4096] for p in head.parameters())
-    return hashlib.sha256(repr(head.config).encode() + weights).hexdigest()[:16]  # an untrained early exit has none
-
-
-_WORKED_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def unchanged_since_last(module: torch.nn.Module, what: str, work_out):
-    """work_out(), or what it gave for `module` last time if none of its parameters has changed since (their
-    in-place version counters and storage; `.to()` swaps the storage): a fingerprint reads weights back to the host,
-    which every generate() call would otherwise pay for (on a GPU, one synchronisation a tensor)."""
-    versions = tuple((id(p), p._version, p.data_ptr(), p.dtype) for p in module.parameters())
-    known = _WORKED_OUT.setdefault(module, {})
-    if what not in known or known[what][0] != versions:
-        known[what] = (versions, work_out())
-    return known[what][1]
+_THIS_PROCESS_ONLY: dict[Path, PassCost] = {}  # doubtful or unwritable measurements, not measured again each call
 
 
 def load_or_measure(
@@ -252,52 +237,91 @@ def load_or_measure(
 ) -> PassCost:
     """The cached calibration for this model/head/dtype/machine and batch size, measured first when there is none."""
     path = cache_path(model, head, spec, batch)
-    if path.is_file() and not refresh:
-        try:
-            saved = json.loads(path.read_text())
-            return PassCost(
-                tuple(saved["tokens"]),
-                tuple(float(c) for c in saved["relative"]),
-                float(saved["draft_level"]),
-                float(saved["draft_step"]),
-            )
-        except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
-            warnings.warn(
-                f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again",
-                stacklevel=2,
-            )
-    if verbose:  # generate() says so too: a first call would otherwise spend ~20 s in silence
+    if not refresh:
+        cost = _THIS_PROCESS_ONLY.get(path) or _read(path)
+        if cost is not None:
+            return cost
+    if verbose:  # generate() says so too: a first call would otherwise spend seconds in silence
         print(
             f"calibrating pass costs on {device_name(model.device)} ({model.dtype}, batch {batch}), once a machine "
-            f"(about 20 s; `python -m inference.calibrate` does it ahead of time); cached in {path}...",
+            f"(`python -m inference.calibrate` does it ahead of time); kept in {path}...",
             file=sys.stderr,
             flush=True,
         )
     started = time.perf_counter()
-    cost, one_pass = measure(model, head, spec, batch=batch)
+    for attempt in range(2):  # a doubtful measurement is taken once more
+        busy = busy_elsewhere_since()
+        measured = measure(model, head, spec, batch=batch)
+        doubt = doubt_about(measured, head is not None, busy())
+        if doubt is None:
+            break
+        if verbose and attempt == 0:
+            print(f"  measuring again: {doubt}", file=sys.stderr, flush=True)
     if verbose:
         print(f"  calibrated in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(path) as staging:
-        staging.write_text(
-            json.dumps(
-                {
-                    "tokens": cost.tokens,
-                    "relative": cost.relative,
-                    "draft_level": cost.draft_level,
-                    "draft_step": cost.draft_step,
-                    "one_token_pass_ms": 1e3 * one_pass,
-                    "device": device_name(model.device),
-                    "dtype": str(model.dtype),
-                    "batch": batch,
-                    "threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
-                    "compiled": is_compiled(model),
-                },
-                indent=1,
-            )
+    cost = measured.cost
+    if doubt is not None:
+        _THIS_PROCESS_ONLY[path] = cost
+        warnings.warn(
+            f"the pass-cost calibration is doubtful ({doubt}), so it serves this process only and is not kept: "
+            "run `python -m inference.calibrate --refresh` on an otherwise idle machine",
+            stacklevel=2,
         )
+        return cost
+    record = {
+        "tokens": cost.tokens,
+        "relative": cost.relative,
+        "draft_level": cost.draft_level,
+        "draft_step": cost.draft_step,
+        "one_token_pass_ms": 1e3 * measured.one_pass,
+        "disagreement": measured.disagreement,
+        "measured_at": time.time(),
+        "device": device_name(model.device),
+        "dtype": str(model.dtype),
+        "batch": batch,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "compiled": is_compiled(model),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with written_atomically(path) as staging:
+            staging.write_text(json.dumps(record, indent=1))
+    except OSError as error:
+        _THIS_PROCESS_ONLY[path] = cost
+        warnings.warn(f"could not keep the calibration in {path} ({error}); it serves this process only", stacklevel=2)
     return cost
+
+
+def _read(path: Path) -> PassCost | None:
+    """The calibration kept at `path`, or None (after a warning when it is damaged)."""
+    try:
+        saved = json.loads(path.read_text())
+        return PassCost(
+            tuple(saved["tokens"]),
+            tuple(float(c) for c in saved["relative"]),
+            float(saved["draft_level"]),
+            float(saved["draft_step"]),
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:  # JSONDecodeError and TreeError are ValueErrors
+        warnings.warn(
+            f"the calibration cached in {path} is damaged ({type(error).__name__}: {error}); measuring again",
+            stacklevel=3,
+        )
+        return None
+
+
+def calibration_age(path: Path) -> str | None:
+    """How long ago the calibration at `path` was measured ("3.2 hours"), where it says."""
+    try:
+        hours = (time.time() - float(json.loads(path.read_text())["measured_at"])) / 3600
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (
+        f"{hours * 60:.0f} minutes" if hours < 1 else f"{hours:.1f} hours" if hours < 48 else f"{hours / 24:.0f} days"
+    )
 
 
 def calibration_batch(rows: int) -> int:
@@ -364,7 +388,7 @@ def main(argv=None) -> None:
         parser.error(f"--batch must be at least 1, got {args.batch}")
     model, _ = load_target(args.model, dtype=args.dtype, compile=args.compile)
     head = load_heads(args.heads, model) if args.heads else None
-    warm_up(model, head, wait=True)  # prices the packages later calls run through
+    warm_up(model, head)  # prices the packages later calls run through
     spec = grown_tree_spec(head)
     if head is not None and spec is None:
         parser.error(
@@ -372,7 +396,11 @@ def main(argv=None) -> None:
             "EAGLE, early-exit and sequential Medusa heads (omit --heads for pass costs only)"
         )
     batch = calibration_batch(args.batch)
+    path = cache_path(model, head, spec, batch)
+    age = None if args.refresh else calibration_age(path)
     cost = load_or_measure(model, head, spec, batch=batch, refresh=args.refresh, verbose=True)
+    if age is not None:
+        print(f"measured {age} ago, kept in {path} (--refresh measures again)")
     print(f"{'tokens':>6}  cost (x one-token pass)")
     for k, c in zip(cost.tokens, cost.relative):
         print(f"{k:>6}  {c:.2f}")

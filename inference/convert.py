@@ -50,7 +50,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     source = detect_format(args.src)
-    model, _ = load_target(args.model, dtype=torch.float32, tokenizer=False)
+    model, _ = load_target(args.model, dtype=torch.float32, tokenizer=False, compile=False)
     heads = load_heads(args.src, model)
     dtype = getattr(torch, args.dtype) if args.dtype else _stored_dtype(args.src)
     if args.to == "ours":

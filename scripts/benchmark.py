@@ -461,7 +461,7 @@ def batch_throughput(args, argv) -> None:
         )
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
     heads = load_method_heads(args, model)
-    warm_up(model, list(heads.values()), wait=True)  # every package, so that every pass runs as it will
+    warm_up(model, list(heads.values()))  # every package, so that every pass runs as it will
     runs = our_settings(args, heads, model)  # method -> generate() keywords
     prompts = [
         chat_prompt(tokenizer, q["turns"][:1]).tolist()
@@ -650,7 +650,7 @@ def main(argv=None):
 
     model, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
     heads = load_method_heads(args, model)
-    compile_seconds = warm_up(model, list(heads.values()), wait=True)  # the narrow passes' package too
+    compile_seconds = warm_up(model, list(heads.values()))
     runners = build_methods(args, model, heads)
     questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
     warm = chat_prompt(tokenizer, ["Hello"])

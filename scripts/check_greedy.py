@@ -103,7 +103,7 @@ def main(argv=None):
         )
     recorded = run["args"]
     model, tokenizer = load_target(
-        recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device
+        recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device, compile=False
     )
     report = check_run(model, tokenizer, run, read_questions(args.questions or recorded["questions"]))
     print(

@@ -1,6 +1,7 @@
-"""Answer one prompt with the shipped EAGLE head (plus prompt lookup), streaming, then compare with plain decoding.
+"""Answer one prompt with the shipped EAGLE head (plus prompt lookup), streaming, then compare its speed with our
+plain loop (the same compiled passes, no drafts) and with HF generate().
 
-python scripts/demo.py ["your prompt"] [--heads DIR] [--dtype auto|float32|bfloat16]
+python scripts/demo.py ["your prompt"] [--heads DIR] [--dtype auto|float32|bfloat16] [--no-compile]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without
 from heads import load_heads  # noqa: E402
 from inference import PromptLookupDrafter, generate, load_target  # noqa: E402
 from inference.calibrate import calibrated_tree  # noqa: E402
+from inference.compiled import is_compiled  # noqa: E402
 from inference.numerics import near_tie  # noqa: E402
 from inference.target import dtype_name  # noqa: E402
 
@@ -38,11 +40,16 @@ def main(argv=None):
         "AVX512-BF16 or AMX, where a pass over many tokens costs little more than over one), else float32",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our passes compiled (the default; built once a machine, then loaded), or eager with --no-compile",
+    )
     args = parser.parse_args(argv)
 
-    model, tokenizer = load_target(dtype=args.dtype)
+    model, tokenizer = load_target(dtype=args.dtype, compile=args.compile)
     dtype = dtype_name(model.dtype)
-    print(f"target in {dtype}")
     heads = None  # the default call: the head's tree sized to this machine, prompt lookup merged into it
     if Path(args.heads, "config.json").is_file():
         heads = load_heads(args.heads, model)
@@ -53,8 +60,11 @@ def main(argv=None):
         print(f"no head checkpoint at {args.heads}: drafting with prompt lookup only")
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     ids = torch.tensor([prompt["input_ids"]])
-    generate(model, heads, prompt, max_new_tokens=8)  # warm-up for both, outside the timing
+    generate(model, heads, prompt, max_new_tokens=8)  # warm-up for every method (and the packages), outside the timing
+    generate(model, None, prompt, max_new_tokens=8)
     model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    passes = "compiled" if is_compiled(model) else "eager"
+    print(f"target in {dtype}, our passes {passes}")
 
     print(f"\n> {args.prompt}\n")
     out = generate(
@@ -66,24 +76,27 @@ def main(argv=None):
         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
     )
 
+    loop = generate(model, None, prompt, max_new_tokens=args.max_new_tokens).stats
     started = time.perf_counter()
     plain = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens
     )
-    plain_seconds = time.perf_counter() - started
-    plain_tokens = plain.shape[1] - ids.shape[1]
+    hf_speed = (plain.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
     s = out.stats
+    print(f"\n| method ({dtype}) | tokens/s | speedup over HF | tau |\n|---|---|---|---|")
+    print(f"| HF generate(), eager | {hf_speed:.1f} | 1.00x | 1.00 |")
     print(
-        f"\nspeculative: {s.new_tokens} tokens in {s.seconds:.2f} s = {s.tokens_per_second:.1f} tokens/s, "
-        f"tau {s.mean_accepted:.2f} tokens per target forward, first token after {1e3 * s.time_to_first_token:.0f} ms"
+        f"| our loop, no drafter, {passes} | {loop.tokens_per_second:.1f} | "
+        f"{loop.tokens_per_second / hf_speed:.2f}x | 1.00 |"
     )
     print(
-        f"plain HF generate(): {plain_tokens} tokens in {plain_seconds:.2f} s = {plain_tokens / plain_seconds:.1f} "
-        "tokens/s"
+        f"| the default call, {passes} | {s.tokens_per_second:.1f} | {s.tokens_per_second / hf_speed:.2f}x | "
+        f"{s.mean_accepted:.2f} |"
     )
     reference = plain[0, ids.shape[1] :].tolist()
     print(
-        f"speedup {s.tokens_per_second / (plain_tokens / plain_seconds):.2f}x; output identical to plain decoding: "
+        f"\nthe default call: {s.new_tokens} tokens, first after {1e3 * s.time_to_first_token:.0f} ms, "
+        f"{s.tokens_per_second / loop.tokens_per_second:.2f}x our plain loop; output identical to HF's: "
         f"{out.token_ids == reference}"
     )
     if out.token_ids != reference:  # bfloat16 only: allowed at a near-tie of the target itself

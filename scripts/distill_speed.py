@@ -75,7 +75,7 @@ def main() -> None:
         if cache not in ("static", "dynamic", "continuous"):
             parser.error(f"{setting}: the cache is static, dynamic or continuous")
         torch.set_num_threads(int(threads))
-        model, tokenizer = load_target(args.model, dtype=dtype)
+        model, tokenizer = load_target(args.model, dtype=dtype, compile=False)
         prompts = [prompt_ids(tokenizer, [{"role": "user", "content": r["prompt"]}]) for r in records[: args.prompts]]
         run(
             model, tokenizer, prompts[: int(batch)], cache, int(batch), 8

@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     parser.add_argument("--answers", type=int, default=20, help="how many of them, for the agreement column")
     args = parser.parse_args(argv)
 
-    model, _ = load_target(args.model, dtype=args.dtype)
+    model, _ = load_target(args.model, dtype=args.dtype, compile=False)
     tokens = torch.randint(
         model.config.vocab_size, (args.context + max(args.catch_up),), generator=torch.Generator().manual_seed(0)
     )

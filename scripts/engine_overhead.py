@@ -62,7 +62,7 @@ def self_consistent_continuation(model, prompt, reference, tree, max_new_tokens,
 
 
 def run(dtype, args, questions):
-    model, tokenizer = load_target(args.model, dtype=dtype)
+    model, tokenizer = load_target(args.model, dtype=dtype, compile=False)
     prompts = [chat_prompt(tokenizer, q["turns"][:1]) for q in questions]
     rows = {"HF generate() greedy": dict(tokens=0, seconds=0.0, identical=0)}
     table = methods(args.chains, args.trees)

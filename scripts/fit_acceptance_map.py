@@ -40,7 +40,8 @@ from inference.acceptance_map import (  # noqa: E402
 )
 from inference.drafters import as_drafter  # noqa: E402
 from inference.drafters.dynamic import DynamicTreeDrafter, drafted_nodes  # noqa: E402
-from inference.tree import Tree, select_best_nodes  # noqa: E402
+from inference.tree import Tree  # noqa: E402
+from inference.tree_select import select_best_nodes  # noqa: E402
 
 
 def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpec, max_new_tokens: int) -> list:
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
     checkpoint = Path(args.checkpoint)
     read_checkpoint_config(checkpoint)  # a clear error for a foreign or broken checkpoint, before the model loads
 
-    model, tokenizer = load_target(args.model, dtype="float32")
+    model, tokenizer = load_target(args.model, dtype="float32", compile=False)
     head = load_heads(checkpoint, model)
     questions = read_questions(args.questions, args.limit)
     prompts = [chat_prompt(tokenizer, question["turns"][:1]) for question in questions]

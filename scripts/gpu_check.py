@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import divergence, divergence_note, hf_batch  # noqa: E402
 from common import DEFAULT_QUESTIONS, chat_prompt, read_questions  # noqa: E402
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, load_heads  # noqa: E402
-from inference import DynamicTreeSpec, Generation, Tree, calibrate, generate, load_target, warm_up  # noqa: E402
+from inference import DynamicTreeSpec, Generation, Tree, generate, load_target, warm_up  # noqa: E402
 from inference.calibrate import calibrated_tree, device_name  # noqa: E402
 from inference.compiled import compile_target, is_compiled  # noqa: E402
 from inference.drafters import TokenDrafter  # noqa: E402
@@ -929,20 +929,14 @@ def dry_run_settings(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    saved_dir, saved_root, saved_threads = (
-        calibrate.CALIBRATION_DIR,
-        os.environ.get("SPECHEADS_CACHE"),
-        torch.get_num_threads(),
-    )
+    saved_root, saved_threads = os.environ.get("SPECHEADS_CACHE"), torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        calibrate.CALIBRATION_DIR = Path(scratch) / "calibration"
-        os.environ["SPECHEADS_CACHE"] = scratch  # where inference.compiled keeps its packages
+        os.environ["SPECHEADS_CACHE"] = scratch  # where inference.store keeps packages and calibrations
         torch.set_num_threads(1)
         try:
             yield
         finally:
             torch.set_num_threads(saved_threads)
-            calibrate.CALIBRATION_DIR = saved_dir
             if saved_root is None:
                 os.environ.pop("SPECHEADS_CACHE", None)
             else:

@@ -171,8 +171,8 @@ def tiny_chat(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def calibrations_in_a_temporary_folder(tmp_path_factory):
-    """Default trees measure this machine's pass costs once per model and head: not into the user's cache."""
-    from inference import calibrate
-
-    calibrate.CALIBRATION_DIR = tmp_path_factory.mktemp("calibration")
+def artefacts_in_a_temporary_folder(tmp_path_factory):
+    """Calibrations and compiled packages of tiny random models (inference.store) have no place in the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECHEADS_CACHE", str(tmp_path_factory.mktemp("specheads-cache")))
+        yield

@@ -131,7 +131,7 @@ def test_scaling_curve_reads_each_heads_training_tokens(tiny_chat, tmp_path):
     from heads import EagleConfig, EagleHead, save_heads
     from inference import load_target
 
-    model, _ = load_target(str(tiny_chat / "model"))
+    model, _ = load_target(str(tiny_chat / "model"), compile=False)
     questions = tmp_path / "questions.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": ["the cat runs"]}) + "\n")
     results = []
@@ -177,7 +177,7 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
     from heads import EagleConfig, EagleHead, save_heads
     from inference import load_target
 
-    model, _ = load_target(str(tiny_chat / "model"))
+    model, _ = load_target(str(tiny_chat / "model"), compile=False)
     questions = tmp_path / "questions.jsonl"
     texts = ["the cat runs", "a dog sleeps here", "one two three", "birds fly south"]
     questions.write_text(
@@ -263,7 +263,7 @@ def test_check_greedy_accepts_a_recorded_run_and_catches_a_changed_token(tiny_ch
 def test_check_greedy_catches_an_answer_that_stops_early(tiny_chat):
     from inference import load_target
 
-    model, tokenizer = load_target(str(tiny_chat / "model"))
+    model, tokenizer = load_target(str(tiny_chat / "model"), compile=False)
     prompt = torch.tensor([1, 5, 7, 9])
     greedy = model.generate(
         prompt[None], attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False, max_new_tokens=8

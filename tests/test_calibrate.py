@@ -3,27 +3,88 @@ EAGLE tree stays exact while shrinking toward plain decoding when drafts do not 
 
 import json
 
+import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, calibrate, generate
+from inference import DynamicTreeSpec, calibrate, generate, store
 from inference.tree_size import PassCost
 
 
+def measured_as(monkeypatch, *measurements) -> list:
+    """calibrate.measure stands in for by these Measurements, one a call: no test depends on timing luck."""
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        return measurements[min(len(calls), len(measurements)) - 1]
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(calibrate, "busy_elsewhere_since", lambda: lambda: 0.0)
+    return calls
+
+
+SOUND = calibrate.Measurement(PassCost((1, 2, 4), (1.0, 1.1, 1.3), 0.05, 0.1), 0.01, 0.02)
+
+
 def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibrate, "CALIBRATION_DIR", tmp_path)
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     model = tiny_model("llama")
     head = EagleHead(EagleConfig.for_target(model.config)).eval()
     spec = DynamicTreeSpec(depth=3, top_k=2, nodes=6)
-    cost = calibrate.load_or_measure(model, head, spec)
-    assert cost.tokens[0] == 1 and cost.relative[0] == 1.0 and len(cost.tokens) == len(calibrate.TOKEN_COUNTS)
-    assert all(c > 0 for c in cost.relative) and cost.draft_level > 0 and cost.draft_step >= 0
-    [saved] = tmp_path.glob("*.json")
-    assert json.loads(saved.read_text())["one_token_pass_ms"] > 0
-    saved.write_text(json.dumps({**json.loads(saved.read_text()), "relative": [1.0] + [9.0] * (len(cost.tokens) - 1)}))
-    assert calibrate.load_or_measure(model, head, spec).relative[1] == 9.0  # read back, not measured again
-    assert calibrate.load_or_measure(model, head, spec, refresh=True).relative[1] != 9.0
+    calls = measured_as(monkeypatch, SOUND)
+    assert calibrate.load_or_measure(model, head, spec) == SOUND.cost
+    [saved] = (tmp_path / "calibration").glob("*.json")
+    assert json.loads(saved.read_text())["one_token_pass_ms"] == 10.0
+    assert calibrate.calibration_age(saved) == "0 minutes"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "relative": [1.0, 9.0, 9.0]}))
+    assert calibrate.load_or_measure(model, head, spec).relative[1] == 9.0 and len(calls) == 1  # read back
+    assert calibrate.load_or_measure(model, head, spec, refresh=True) == SOUND.cost and len(calls) == 2
+
+
+def test_a_doubtful_calibration_is_measured_again_then_serves_this_process_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    noisy = calibrate.Measurement(PassCost((1, 2), (1.0, 3.98)), 0.01, 0.4)
+    calls = measured_as(monkeypatch, noisy, noisy)
+    with pytest.warns(UserWarning, match=r"doubtful \(its rounds disagreed by 40%\).*--refresh"):
+        assert calibrate.load_or_measure(model) == noisy.cost
+    assert len(calls) == 2 and not (tmp_path / "calibration").exists(), "measured again, then not kept"
+    assert calibrate.load_or_measure(model) == noisy.cost and len(calls) == 2, "not measured again in this process"
+    # measured again and sound the second time: kept
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    calls = measured_as(monkeypatch, noisy, SOUND)
+    assert calibrate.load_or_measure(model, head, DynamicTreeSpec(depth=2, top_k=2, nodes=3)) == SOUND.cost
+    assert len(calls) == 2 and len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+
+def test_costs_that_cannot_be_right_or_a_busy_machine_make_a_measurement_doubtful():
+    def doubt(level=0.05, step=0.1, disagreement=0.02, busy=0.0, drafts=True):
+        measured = calibrate.Measurement(PassCost((1, 2), (1.0, 1.1), level, step), 0.01, disagreement)
+        return calibrate.doubt_about(measured, drafts, busy)
+
+    assert doubt() is None and doubt(level=0.0, drafts=False) is None
+    assert "free" in doubt(level=0.0)
+    assert "3.0 one-token passes" in doubt(step=3.02)
+    assert "disagreed" in doubt(disagreement=0.5)
+    assert "busy" in doubt(busy=0.9)
+
+
+def test_other_processes_keeping_a_core_busy_are_noticed():
+    import subprocess
+    import sys
+    import time
+
+    quiet = calibrate.busy_elsewhere_since()
+    time.sleep(0.5)
+    busy = calibrate.busy_elsewhere_since()
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"]
+    )
+    spinner.wait()
+    assert busy() > 0.5, "a process spinning on a core for 1.5 s"
+    assert quiet() < busy()
 
 
 def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
@@ -59,7 +120,7 @@ def test_pass_costs_are_measured_in_rounds_and_never_fall_with_more_tokens():
     medians = calibrate.interleaved_medians([lambda: order.append("a"), lambda: order.append("b")], repeats=3)
     assert order == ["a", "b"] * 4 and len(medians) == 2  # a warm-up each, then one of each a round
     model = tiny_model("llama")
-    batched, _ = calibrate.measure(model, batch=3, repeats=2)
+    batched = calibrate.measure(model, batch=3, repeats=2).cost
     assert batched.tokens == calibrate.BATCH_TOKEN_COUNTS and batched.relative[0] == 1.0
     assert list(batched.relative) == sorted(batched.relative)
 
@@ -102,8 +163,8 @@ def test_calibration_key_follows_weight_changes_without_rereading_unchanged_weig
     model = tiny_model("llama")
     head = EagleHead(EagleConfig.for_target(model.config))
     computed = []
-    real = calibration.head_id
-    monkeypatch.setattr(calibrate, "head_id", lambda h: computed.append(1) or real(h))
+    real = store._digest
+    monkeypatch.setattr(store, "_digest", lambda module: (module is head and computed.append(1)) or real(module))
     first = calibration.cache_path(model, head, None)
     assert calibration.cache_path(model, head, None) == first and len(computed) == 1
     with torch.no_grad():

@@ -178,5 +178,5 @@ def test_compiled_passes_sample_the_exact_distribution_and_a_lossy_rule_does_not
     instance, so the other tests here decode eagerly."""
     _, heads = setup
     model = compile_target(tiny_model("llama", vocab_size=VOCAB, init=0.25, eos=None, seed=5))
-    warm_up(model, verbose=False, wait=True)  # both packages, the narrow one serving the plain steps
+    warm_up(model, verbose=False)  # both packages, the narrow one serving the plain steps
     check_lossless_and_lossy_detected(model, heads, Sampling(temperature=1.0), monkeypatch, what="compiled: ")

@@ -80,7 +80,7 @@ def test_data_holds_out_corpus_answers_and_adds_dataset_answers_elsewhere(tiny_c
     from training.corpus import read_corpus
     from training.data import build_datasets
 
-    model, tokenizer = load_target(str(tiny_chat / "model"))
+    model, tokenizer = load_target(str(tiny_chat / "model"), compile=False)
     corpus = twelve_answer_corpus(tiny_chat, tmp_path)
     records = read_corpus(corpus)
     data = DataConfig(
@@ -135,7 +135,7 @@ def test_long_sequences_pack_whole_conversations_and_sources_can_be_left_out(tin
     from training.corpus import read_corpus
     from training.data import build_datasets
 
-    model, tokenizer = load_target(str(tiny_chat / "model"))
+    model, tokenizer = load_target(str(tiny_chat / "model"), compile=False)
     corpus = twelve_answer_corpus(tiny_chat, tmp_path)
     records = read_corpus(corpus)
     data = DataConfig(
@@ -176,7 +176,7 @@ def test_another_models_corpus_is_refused(tiny_chat, tmp_path):
     from training.config import DataConfig
     from training.data import build_datasets
 
-    model, tokenizer = load_target(str(tiny_chat / "model"))
+    model, tokenizer = load_target(str(tiny_chat / "model"), compile=False)
     other = AutoModelForCausalLM.from_config(model.config)  # the same shapes, other weights
     data = DataConfig(
         path=str(tiny_chat / "prompts.jsonl"),
@@ -194,7 +194,7 @@ def test_trained_eagle_head_loses_loss_and_drafts_better(tiny_chat, tmp_path):
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"]
     assert "eval/top1/depth2" in last  # the unrolled step is evaluated as a second draft depth
-    model, tokenizer = load_target(tiny_chat / "model")
+    model, tokenizer = load_target(tiny_chat / "model", compile=False)
     trained = load_heads(tmp_path / "eagle", model)
     untrained = EagleHead(EagleConfig.for_target(model.config)).eval()
     held_out = [json.loads(line)["prompt"] for line in (tiny_chat / "prompts.jsonl").read_text().splitlines()[:16]]
@@ -229,7 +229,7 @@ def test_eagle3_layout_trains_and_exports_for_serving(tiny_chat, tmp_path, capsy
     result = train(recipe(tiny_chat, tmp_path / "eagle3", eagle_regression_weight=0, eagle_unroll=2, **options))
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"] and last["eval/top1/depth1"] > first["eval/top1/depth1"]
-    model, _ = load_target(tiny_chat / "model")
+    model, _ = load_target(tiny_chat / "model", compile=False)
     trained = load_heads(tmp_path / "eagle3", model)
     assert trained.config.architecture == "eagle3" and trained.lm_head.weight.shape == (24, model.config.hidden_size)
     write_format(trained, tmp_path / "served", "speculators", model, dtype=torch.float32)
@@ -248,7 +248,7 @@ def test_trained_early_exit_adapter_loses_loss_and_drafts_better(tiny_chat, tmp_
     )
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"] and last["eval/agree/depth1"] > first["eval/agree/depth1"]
-    model, tokenizer = load_target(tiny_chat / "model")
+    model, tokenizer = load_target(tiny_chat / "model", compile=False)
     trained = load_heads(tmp_path / "exit", model)
     assert isinstance(trained, EarlyExitHead) and (tmp_path / "exit" / "adapter_model.safetensors").is_file()
     untrained = EarlyExitHead(EarlyExitConfig.for_target(model.config, exit_layer=1, lora_rank=None), model).eval()
@@ -296,7 +296,7 @@ def test_medusa_training_runs_and_reloads(tiny_chat, tmp_path):
     assert list((tmp_path / "medusa.train-state").rglob("events.out.tfevents.*")), "no tensorboard log written"
     assert result["history"][-1]["eval/loss"] < result["history"][0]["eval/loss"] + 1e-6
     assert {"eval/top1/depth2", "eval/top1/depth4"} <= set(result["history"][-1])
-    model, tokenizer = load_target(tiny_chat / "model")
+    model, tokenizer = load_target(tiny_chat / "model", compile=False)
     heads = load_heads(tmp_path / "medusa", model)
     assert heads.config.num_heads == 3 and heads.draft_ids.shape == (24,)
     accuracy = heads.config.rank_accuracy  # measured at the end, it shapes the default tree
@@ -320,7 +320,7 @@ def test_sequential_medusa_heads_train_and_draft_better(tiny_chat, tmp_path):
     first, last = result["history"][0], result["history"][-1]
     assert last["eval/loss"] < first["eval/loss"]
     assert {"eval/top1/depth2", "eval/top1/depth5"} <= set(last)
-    model, tokenizer = load_target(tiny_chat / "model")
+    model, tokenizer = load_target(tiny_chat / "model", compile=False)
     trained = load_heads(tmp_path / "sequential", model)
     assert trained.config.sequential and trained.config.num_heads == 4
     untrained = MedusaHeads(replace(trained.config, rank_accuracy=None)).eval()
@@ -367,7 +367,7 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
     # so: the same held-out loss, and weights within one rounding step of the bf16 checkpoints (features
     # cached 0.1% off move the loss by 2.6e-5 and some weights by ten steps)
     assert abs(live_run["history"][-1]["eval/loss"] - cached_run["history"][-1]["eval/loss"]) < 2e-6
-    model, _ = load_target(tiny_chat / "model")
+    model, _ = load_target(tiny_chat / "model", compile=False)
     live, cached = load_heads(tmp_path / "live", model), load_heads(tmp_path / "cached", model)
     for (name, a), b in zip(live.named_parameters(), cached.parameters()):
         assert torch.allclose(a, b, rtol=2**-7, atol=1e-6), name
@@ -379,7 +379,7 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
 def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny_chat, tmp_path, capsys):
     from heads import save_heads
 
-    model, _ = load_target(tiny_chat / "model")
+    model, _ = load_target(tiny_chat / "model", compile=False)
     torch.manual_seed(0)
     source = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=16))
     source.draft_ids.copy_(torch.randperm(model.config.vocab_size)[:16])
@@ -592,6 +592,6 @@ def test_bfloat16_where_it_is_emulated_is_loaded_with_a_warning(monkeypatch, tin
         monkeypatch.setattr(inference.target, "bfloat16_is_faster", lambda device_type="cpu", faster=faster: faster)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model, _ = load_target(tiny_chat / "model", dtype="bfloat16")
+            model, _ = load_target(tiny_chat / "model", dtype="bfloat16", compile=False)
         slow = [w for w in caught if "slower than float32 on this CPU" in str(w.message)]
         assert model.dtype == torch.bfloat16 and len(slow) == (0 if faster else 1)

@@ -7,23 +7,20 @@ from hypothesis import strategies as st
 
 from inference.drafters import span_outcome
 from inference.tree import (
-    CandidatePool,
     Tree,
     TreeError,
     attention_mask,
     chain_paths,
     check_parents,
-    graft_span,
     matched_depth,
-    merge_trees,
     position_ids,
     retrieve_indices,
-    select_best_nodes,
     static_tree,
     subtree,
     verifiable_host_tree,
     verifiable_tree,
 )
+from inference.tree_select import CandidatePool, graft_span, merge_trees, select_best_nodes
 from inference.tree_size import (
     DynamicTreeSpec,
     PassCost,

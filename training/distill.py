@@ -371,7 +371,7 @@ def load_answering_target(cfg: DistillConfig, device: str = "cpu"):
     with warnings.catch_warnings():
         if emulated_bfloat16(cfg):
             warnings.filterwarnings("ignore", message=".*bfloat16 is slower than float32")
-        return inference.target.load_target(cfg.model, dtype=cfg.dtype, device=device)
+        return inference.target.load_target(cfg.model, dtype=cfg.dtype, device=device, compile=False)
 
 
 def answer(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -322,7 +322,7 @@ def main(argv=None):
     if accelerator.is_main_process:
         remove_stale_staging(checkpoints)
 
-    target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device)
+    target, tokenizer = load_target(cfg.model, dtype=cfg.target_dtype, device=accelerator.device, compile=False)
     target.requires_grad_(False)
     fingerprint = TargetFingerprint.of(target)
     try:  # mistakes in the recipe surface here (before any data is prepared): a clear message, not a traceback

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..tree import Tree, merge_trees, verifiable_tree
+from ..tree import Tree, verifiable_tree
+from ..tree_select import merge_trees
 from .base import Drafter, SequenceDrafter, TokenDrafter, drafter_name
 from .dynamic import RELIABILITY_DECAY, DynamicTreeDrafter
 from .lookup import PromptLookupDrafter, span_tree
