@@ -59,9 +59,12 @@ WHEELS = (
 )
 # no network there: transformers would otherwise fetch hub kernels for the model's layers when loading it
 OFFLINE = "HF_HUB_OFFLINE=1 USE_HUB_KERNELS=0"
+# The guard: while the folders are out of the index, a commit would delete them from the repository. It refuses on the
+# marker, and on the index itself (files HEAD has under the folders, missing from the index), so that it holds even
+# where the marker went.
 HOOK_TEXT = f"""#!/bin/sh
 # written by scripts/device_kit.py hide
-if [ -f {KIT}/HIDDEN ]; then
+if [ -f {KIT}/HIDDEN ] || [ -n "$(git diff --cached --name-only --diff-filter=D HEAD -- {" ".join(HIDDEN)})" ]; then
   echo "checkpoints/ and data/ are out of git's index for a device call: python scripts/device_kit.py restore" >&2
   exit 1
 fi
@@ -92,9 +95,17 @@ def split_file(path: Path, out: Path, part_size: int) -> list[str]:
     return names
 
 
+def clear_kit() -> None:
+    """Remove what an earlier `prepare` wrote, never the marker of folders hidden by `hide`."""
+    for path in KIT.iterdir() if KIT.exists() else ():
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.name != "HIDDEN":
+            path.unlink()
+
+
 def prepare(shared: Path) -> None:
-    if KIT.exists():
-        shutil.rmtree(KIT)
+    clear_kit()
     (KIT / "wheels").mkdir(parents=True)
     source = gguf_path()
     versions = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
@@ -242,8 +253,14 @@ def git_path(name: str) -> Path:
     return REPO / git("rev-parse", "--git-path", name).strip()
 
 
+def is_hidden() -> bool:
+    """Whether `hide` holds: its marker, or its hook, is there (either one alone after a partial run)."""
+    hook = git_path("hooks/pre-commit")
+    return (KIT / "HIDDEN").exists() or (hook.is_file() and hook.read_text() == HOOK_TEXT)
+
+
 def hide() -> None:
-    if (KIT / "HIDDEN").exists():
+    if is_hidden():
         raise SystemExit("already hidden: `python scripts/device_kit.py restore` puts the folders back")
     if git("diff", "--cached", "--name-only", "--", *HIDDEN):
         raise SystemExit(f"staged changes under {', '.join(HIDDEN)}: commit them first (restore would drop them)")
@@ -264,6 +281,7 @@ def hide() -> None:
 
 
 def restore() -> None:
+    """Put the folders back into the index (first, whatever else fails), then remove the exclusion, hook and marker."""
     git("reset", "-q", "--", *HIDDEN)
     exclude, hook = git_path("info/exclude"), git_path("hooks/pre-commit")
     if exclude.exists():

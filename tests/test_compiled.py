@@ -18,6 +18,7 @@ from inference import (
     OracleDrafter,
     PromptLookupDrafter,
     best_static_paths,
+    chain_paths,
     compile_target,
     compiled,
     compiled_heads,
@@ -131,6 +132,22 @@ def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_th
     assert 1 in tokens["narrow_runner"], "plain steps ran through the narrow package"
     assert max(tokens["narrow_runner"]) <= compiled.NARROW_TOKENS
     assert min(tokens["runner"]) > compiled.NARROW_TOKENS, "trees, batches and prompts through the other"
+
+
+def test_where_the_gemm_template_serves_every_pass_one_package_does(package_cache, monkeypatch):
+    """With AMX tiles in bfloat16 one package of inductor's GEMM template runs plain steps, trees and prompts."""
+    monkeypatch.setattr(compiled, "template_serves_every_pass", lambda dtype: True)
+    model = compile_target(tiny_model("llama", seed=14))
+    [path] = package_paths(model)
+    assert "-template-" in path.name
+    assert warm_up(model, verbose=False) > 0 and decoding_pass(model).narrow_runner is None
+    shapes = recorded_shapes(decoding_pass(model), monkeypatch)
+    prompt = random_prompts(model.config.vocab_size, 1, seed=15)[0]
+    reference = hf_greedy(model, prompt, NEW_TOKENS)
+    oracle = OracleDrafter(torch.cat([prompt, torch.tensor(reference)]), chain_paths(6), model.config.vocab_size)
+    for heads in (None, oracle):
+        assert generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, fallback=False).token_ids == reference
+    assert {1, 7, len(prompt)} <= {tokens for _, tokens in shapes}
 
 
 def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):

@@ -134,3 +134,40 @@ def test_hide_refuses_to_replace_a_hook_of_the_users_own(repo):
     with pytest.raises(SystemExit, match="hook"):
         device_kit.hide()
     assert git(repo, "ls-files", "checkpoints").stdout.strip() == "checkpoints/h/model.bin"
+
+
+def commit_refused(repo: Path) -> bool:
+    committed = git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "would delete the heads")
+    return committed.returncode != 0 and "device_kit.py restore" in committed.stderr
+
+
+def test_prepare_never_removes_the_guard_while_the_folders_are_hidden(repo):
+    device_kit.hide()
+    (device_kit.KIT / "part-0").write_text("an earlier kit")
+    (device_kit.KIT / "wheels").mkdir()
+    device_kit.clear_kit()  # what prepare does first
+    assert [p.name for p in device_kit.KIT.iterdir()] == ["HIDDEN"]
+    assert commit_refused(repo)
+    device_kit.restore()
+    assert git(repo, "status", "--porcelain").stdout == ""
+
+
+def test_without_its_marker_hide_still_refuses_a_second_run_and_the_hook_still_refuses_commits(repo):
+    device_kit.hide()
+    (device_kit.KIT / "HIDDEN").unlink()  # deleted by hand, say
+    with pytest.raises(SystemExit, match="already hidden"):
+        device_kit.hide()
+    assert commit_refused(repo), "the hook reads the index too"
+    assert git(repo, "ls-files", "checkpoints").stdout == "", "still out of the index"
+
+
+def test_restore_always_puts_the_index_back(repo):
+    device_kit.hide()
+    (device_kit.KIT / "HIDDEN").unlink()
+    (repo / ".git" / "info" / "exclude").unlink()  # the exclusion gone too
+    device_kit.restore()
+    assert git(repo, "ls-files", "checkpoints", "data").stdout.split() == ["checkpoints/h/model.bin", "data/c.jsonl"]
+    assert git(repo, "status", "--porcelain").stdout == ""
+    assert not (repo / ".git" / "hooks" / "pre-commit").exists()
+    device_kit.restore()  # twice is harmless
+    assert git(repo, "status", "--porcelain").stdout == ""
