@@ -68,12 +68,12 @@ def openings(requests: list[str], top: int = 3) -> str:
     return "; ".join(f'"{words}" {count / len(requests):.0%}' for words, count in first.most_common(top))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="the prompt file the corpus's ids refer to")
     parser.add_argument("--out", required=True, help="writes OUT.md and OUT.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     by_source = requests_by_source(Path(args.corpus), Path(args.prompts))
     if not by_source:
         raise SystemExit(f"{args.corpus} holds no first turns")

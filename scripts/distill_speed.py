@@ -55,7 +55,7 @@ def run(model, tokenizer, prompts: list[list[int]], cache: str, batch: int, max_
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
@@ -66,7 +66,7 @@ def main() -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--settings", nargs="+", required=True, help="cache,dtype,batch,threads ...")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     records = [json.loads(line) for line in Path(args.prompts_file).read_text().split("\n") if line.strip()]
     random.Random(0).shuffle(records)
     print("| cache | dtype | batch | threads | answer tokens | seconds | tokens/s |\n|---|---|---|---|---|---|---|")

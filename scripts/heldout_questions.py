@@ -61,13 +61,13 @@ def heldout_questions(
     return questions
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a training recipe with data.corpus")
     parser.add_argument("--out", required=True, help="the questions file to write (.jsonl)")
     parser.add_argument("--source", help="a source the recipe leaves out of training (data.exclude_sources)")
     parser.add_argument("--count", type=int, help="conversations to write (default: the recipe's data.eval_prompts)")
-    args, overrides = parser.parse_known_args()  # --data.key value, as training takes them
+    args, overrides = parser.parse_known_args(argv)  # --data.key value, as training takes them
     data = load_config(args.config, overrides).data
     if not data.corpus:
         raise SystemExit(f"{args.config} trains without a corpus (data.corpus is empty): it holds no prompts out")

@@ -108,12 +108,12 @@ def unseen_questions(per_category: int, seed: int = 0) -> list[dict]:
     return questions
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-category", type=int, default=6, help="questions a category (default 6)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="the questions file to write (.jsonl)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     questions = unseen_questions(args.per_category, args.seed)
     Path(args.out).write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
     print(f"{len(questions)} questions in {len(CATEGORIES)} categories written to {args.out}")

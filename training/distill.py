@@ -579,7 +579,14 @@ def load_distill_config(arguments: list[str]) -> DistillConfig:
 
 
 def main(argv=None) -> None:
-    distill(load_distill_config(sys.argv[1:] if argv is None else argv))
+    arguments = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(arguments):
+        print(f"usage: python -m training.distill [--config FILE.yaml] [--key value ...]\n{__doc__}")
+        print("settings (--key value, or the same keys in a YAML file given first with --config), defaults:")
+        for setting in dataclasses.fields(DistillConfig):
+            print(f"  --{setting.name} {getattr(DistillConfig, setting.name, None)!r}")
+        return
+    distill(load_distill_config(arguments))
 
 
 if __name__ == "__main__":
