@@ -1,0 +1,220 @@
+"""The pass-cost probe: what a compiled target pass costs on this CPU against what the hardware allows.
+
+    python scripts/pass_costs.py --dtypes bfloat16 float32 --out docs/results/pass-costs-xeon-amx
+
+For the target's compiled pass (inference.compiled) over 1 to 64 tokens, as a chain and as a tree, at 1, 4, 8 and 16
+rows, with a short and a long cache: milliseconds, the ratio to a one-token pass, GFLOP/s and GB/s (weights and cache
+read), against this CPU's peaks measured here (a large matrix product, a 1 GiB sum). Besides: a draft level of an
+EAGLE head priced as calibration prices it (whole loop steps, inference.calibrate), and where an eager pass's time
+goes (matrix products, attention, the rest; the compiled package is one opaque call to a profiler). Writes OUT.md and
+OUT.json; names the instruction set it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the project
+from heads import load_heads  # noqa: E402
+from inference import calibrate, load_target, warm_up  # noqa: E402
+from inference.cache import new_cache  # noqa: E402
+from inference.calibrate import device_name, interleaved_medians  # noqa: E402
+from inference.compiled import decoding_pass, is_compiled  # noqa: E402
+from inference.tree import Tree, attention_mask, position_ids  # noqa: E402
+from inference.tree_size import DynamicTreeSpec  # noqa: E402
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 4, 8, 16)
+CONTEXTS = {"short": 64, "long": 1024}
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-eagle"
+
+
+def instruction_set() -> str:
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    for flag, name in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def peaks(dtype: torch.dtype) -> tuple[float, float]:
+    """(GFLOP/s of a large matrix product in `dtype`, GB/s of reading 1 GiB), the best of a few runs each."""
+    n = 4096 if dtype == torch.bfloat16 else 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    data = torch.ones(2**28)  # 1 GiB of float32
+    best_mm = min(_seconds(lambda: a @ b) for _ in range(5))
+    best_sum = min(_seconds(data.sum) for _ in range(5))
+    return 2 * n**3 / best_mm / 1e9, data.numel() * 4 / best_sum / 1e9
+
+
+def _seconds(run) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def binary_tree(k: int) -> Tree:
+    """k nodes, each node i > 0 the child of (i - 1) // 2: a tree as wide as it is deep for its size."""
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+    return Tree.from_parents(torch.zeros(k, dtype=torch.long), parents)
+
+
+def pass_work(model, rows: int, k: int, context: int) -> tuple[float, float]:
+    """(FLOP, bytes read) of a pass of `rows` x `k` tokens over `context` cached ones, every token's logits kept."""
+    config, size = model.config, model.dtype.itemsize
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(m.weight.numel() for m in linears)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", heads)
+    layers = config.num_hidden_layers
+    attention = 4 * layers * heads * head_dim * k * (context + k) * rows
+    kv_bytes = 2 * layers * kv_heads * head_dim * (context + k) * rows * size
+    return 2 * weights * rows * k + attention, weights * size + kv_bytes
+
+
+def time_passes(model, dtype_peaks, repeats: int) -> list[dict]:
+    step = decoding_pass(model)
+    results = []
+    for context_name, context in CONTEXTS.items():
+        for rows in ROWS:
+            cache = new_cache(model)
+            prompt = torch.randint(model.config.vocab_size, (rows, context))
+            with torch.inference_mode():
+                step(input_ids=prompt, cache=cache, position_ids=torch.arange(context).expand(rows, -1), use_cache=True)
+            runs, labels = [], []
+            for k in TOKENS:
+                for shape in ("chain", "tree"):
+                    if rows * k > 256 or (shape == "tree" and k < 3):
+                        continue
+                    tree = Tree.chain(torch.zeros(k, dtype=torch.long)) if shape == "chain" else binary_tree(k)
+                    mask = attention_mask(tree, context, model.dtype)
+                    inputs = {
+                        "input_ids": torch.randint(model.config.vocab_size, (rows, k)),
+                        "position_ids": position_ids(tree, context).expand(rows, -1).contiguous(),
+                        "attention_mask": mask.expand(rows, -1, -1, -1).contiguous(),
+                    }
+                    runs.append(lambda inputs=inputs, k=k, cache=cache: _verify(step, cache, inputs, k))
+                    labels.append((shape, k))
+            seconds = interleaved_medians(runs, repeats)
+            one = seconds[labels.index(("chain", 1))]
+            for (shape, k), spent in zip(labels, seconds):
+                flop, read = pass_work(model, rows, k, context)
+                results.append(
+                    {
+                        "cache": context_name,
+                        "rows": rows,
+                        "tokens": k,
+                        "shape": shape,
+                        "ms": 1e3 * spent,
+                        "relative": spent / one,
+                        "gflops": flop / spent / 1e9,
+                        "gbps": read / spent / 1e9,
+                        "compute_share": flop / spent / 1e9 / dtype_peaks[0],
+                        "memory_share": read / spent / 1e9 / dtype_peaks[1],
+                    }
+                )
+    return results
+
+
+@torch.inference_mode()
+def _verify(step, cache, inputs: dict, k: int) -> None:
+    step(cache=cache, use_cache=True, output_hidden_states=True, **inputs)
+    cache.crop(-k)
+
+
+def eager_split(model, k: int, context: int = 64) -> dict[str, float]:
+    """Shares of an eager pass's CPU time: matrix products, attention, the rest (torch.profiler's self times)."""
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(100, (1, context)), cache=cache, use_cache=True)
+        tree = Tree.chain(torch.zeros(k, dtype=torch.long))
+        inputs = {"input_ids": torch.randint(100, (1, k)), "position_ids": position_ids(tree, context)}
+        inputs["attention_mask"] = attention_mask(tree, context, model.dtype)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            model(cache=cache, use_cache=True, **inputs)
+    parts = {"matrix products": 0.0, "attention": 0.0, "the rest": 0.0}
+    for event in profile.key_averages():
+        name = event.key
+        part = (
+            "matrix products"
+            if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+            else "attention"
+            if "attention" in name or "sdpa" in name or "flash" in name
+            else "the rest"
+        )
+        parts[part] += event.self_cpu_time_total
+    total = sum(parts.values())
+    return {part: spent / total for part, spent in parts.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    parser.add_argument("--heads", default=str(SHIPPED), help="the EAGLE head whose draft level is priced")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of every pass, interleaved (medians)")
+    parser.add_argument("--out", required=True, help="write OUT.md and OUT.json")
+    args = parser.parse_args(argv)
+    report = {"machine": device_name(torch.device("cpu")), "instruction set": instruction_set(), "dtypes": {}}
+    report["threads"] = torch.get_num_threads()
+    report["command"] = "python scripts/pass_costs.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    for name in args.dtypes:
+        model, _ = load_target(dtype=name, tokenizer=False)
+        head = load_heads(args.heads, model)
+        warm_up(model, head)
+        dtype_peaks = peaks(model.dtype)
+        spec = DynamicTreeSpec(depth=5, top_k=8, nodes=15)
+        level = calibrate.measure(model, head, spec).cost.draft_level
+        report["dtypes"][name] = {
+            "compiled": is_compiled(model),
+            "peak_gflops": dtype_peaks[0],
+            "peak_gbps": dtype_peaks[1],
+            "draft_level": level,
+            "eager_split": {k: eager_split(model, k) for k in (1, 16)},
+            "passes": time_passes(model, dtype_peaks, args.repeats),
+        }
+        print(f"{name}: done", file=sys.stderr, flush=True)
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    Path(f"{args.out}.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']} ({report['instruction set']}), {report['threads']} torch threads.",
+    ]
+    for name, run in report["dtypes"].items():
+        lines += [
+            "",
+            f"## {name} ({'compiled' if run['compiled'] else 'EAGER: compiling failed'})",
+            "",
+            f"Peaks measured here: {run['peak_gflops']:.0f} GFLOP/s (a large matrix product), "
+            f"{run['peak_gbps']:.1f} GB/s (reading 1 GiB). A draft level (calibration's pricing): "
+            f"{run['draft_level']:.3f} of a one-token pass. An eager pass's time: "
+            + "; ".join(
+                f"{k} tokens " + ", ".join(f"{part} {share:.0%}" for part, share in split.items())
+                for k, split in run["eager_split"].items()
+            ),
+            "",
+            "| cache | rows | tokens | shape | ms | x one token | GFLOP/s (share of peak) | GB/s (share of peak) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for p in run["passes"]:
+            lines.append(
+                f"| {p['cache']} | {p['rows']} | {p['tokens']} | {p['shape']} | {p['ms']:.1f} | {p['relative']:.2f} | "
+                f"{p['gflops']:.0f} ({p['compute_share']:.0%}) | {p['gbps']:.1f} ({p['memory_share']:.0%}) |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from inference.cli import run
+
+    run(main, "pass_costs.py")
