@@ -15,7 +15,9 @@ from .tree_size import PassCost
 # medians of its odd and even rounds differ by more than DISAGREEMENT for a one-token pass or the widest one
 BUSY_ELSEWHERE = 0.25
 DISAGREEMENT = 0.15
-MOST_STEP_COST = 3.0  # a step's own work (besides its pass and levels) costing this many one-token passes is noise
+# A step's own work (the loop's Python, besides its pass and levels) takes a few milliseconds whatever the model: at
+# three one-token passes or more and past MOST_STEP_SECONDS it is noise; on a tiny model it is simply what it costs
+MOST_STEP_COST, MOST_STEP_SECONDS = 3.0, 0.01
 
 
 @dataclass
@@ -38,7 +40,7 @@ def doubt_about(measured: Measurement, drafts: bool, busy: float) -> str | None:
         return f"its rounds disagreed by {measured.disagreement:.0%}"
     if drafts and cost.draft_level <= 0:
         return "a draft level measured as free"
-    if drafts and cost.draft_step >= MOST_STEP_COST:
+    if drafts and cost.draft_step >= MOST_STEP_COST and cost.draft_step * measured.one_pass > MOST_STEP_SECONDS:
         return f"a step's own work measured at {cost.draft_step:.1f} one-token passes"
     return None
 

@@ -60,13 +60,14 @@ def test_a_doubtful_calibration_is_measured_again_then_serves_this_process_only(
 
 
 def test_costs_that_cannot_be_right_or_a_busy_machine_make_a_measurement_doubtful():
-    def doubt(level=0.05, step=0.1, disagreement=0.02, busy=0.0, drafts=True):
-        measured = calibrate.Measurement(PassCost((1, 2), (1.0, 1.1), level, step), 0.01, disagreement)
+    def doubt(level=0.05, step=0.1, disagreement=0.02, busy=0.0, drafts=True, one_pass=0.01):
+        measured = calibrate.Measurement(PassCost((1, 2), (1.0, 1.1), level, step), one_pass, disagreement)
         return calibrate.doubt_about(measured, drafts, busy)
 
     assert doubt() is None and doubt(level=0.0, drafts=False) is None
     assert "free" in doubt(level=0.0)
     assert "3.0 one-token passes" in doubt(step=3.02)
+    assert doubt(step=3.7, one_pass=0.0004) is None, "a tiny model's step: 1.5 ms of the loop's own work is real"
     assert "disagreed" in doubt(disagreement=0.5)
     assert "busy" in doubt(busy=0.9)
 
