@@ -129,8 +129,11 @@ class CompiledPasses:
             take_entries(layer, key_store, value_store, cached, new)
         return outputs
 
-    def ready(self, verbose: bool = True) -> bool:
-        """Load or build the packages if that was not done yet; False when they cannot be had (decode eagerly)."""
+    def ready(self, verbose: bool = True, recheck: bool = False) -> bool:
+        """Load or build the packages if that was not done yet; False when they cannot be had (decode eagerly).
+        `recheck` (once a generate() call): weights changed in place since get packages of their own."""
+        if recheck and self.runner is not None and self.packages()[0][0] != self.paths[0]:
+            self.runner = self.narrow_runner = None
         if self.runner is None and self.failed is None:
             with self._lock:
                 if self.runner is None and self.failed is None:
@@ -277,8 +280,8 @@ def _package(program, path: Path, options: dict) -> None:
 def compile_target(model):
     """Decode `model` with compiled passes from now on (generate(), calibration); returns the model itself, whose
     own forward stays as it was (model.generate() and direct calls run eagerly). The packages are loaded or built
-    on first use, or ahead of it with `inference.warm_up`. A package holds the weights as they were then: a model
-    whose weights change afterwards gets a package of its own on a fresh instance (compile_target again)."""
+    on first use, or ahead of it with `inference.warm_up`. A package holds the weights it was built from: weights
+    changed afterwards (in place, or on another instance) get packages of their own at the next generate() call."""
     if not hasattr(model, PASSES):
         setattr(model, PASSES, CompiledPasses(model))
     return model

@@ -124,7 +124,7 @@ def warm_up(model, heads=None, *, verbose: bool = True) -> float:
     if passes is None:
         return 0.0
     started = time.perf_counter()
-    if passes.ready(verbose):
+    if passes.ready(verbose, recheck=True):
         for head in head_passes(heads, model):
-            head.ready(verbose)
+            head.ready(verbose, recheck=True)
     return time.perf_counter() - started

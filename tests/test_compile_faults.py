@@ -153,3 +153,17 @@ def test_a_compile_error_is_recorded_and_an_os_error_is_not(tmp_path, monkeypatc
         store.build_once(path, full_disk, what="x")
     assert store.recorded_failure(path) is None and not path.exists()
     assert list(path.parent.iterdir()) == [path.with_name("x.pt2.lock")], "no staging file left"
+
+
+def test_weights_changed_in_place_after_compiling_get_their_own_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = one_package(tiny_model("llama", seed=27))
+    prompt = random_prompts(model.config.vocab_size, 1, seed=4)[0]
+    before = generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids
+    first = decoding_pass(model).paths
+    with torch.no_grad():
+        model.lm_head.weight[before[3], 1:] += 3.0  # fine-tuned in place, say
+    reference = hf_greedy(model, prompt, NEW_TOKENS)
+    assert reference != before
+    assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == reference
+    assert decoding_pass(model).paths != first and is_compiled(model)
