@@ -374,6 +374,12 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
     stamps = [p.stat().st_mtime_ns for p in shards]
     train(recipe(tiny_chat, tmp_path / "again", cache_features="true", **common))  # a rerun reuses the shards
     assert [p.stat().st_mtime_ns for p in shards] == stamps
+    content = shards[0].read_bytes()
+    shards[0].write_bytes(content[:-8] + bytes(8))  # a shard damaged on disk: its digest no longer matches
+    with pytest.warns(UserWarning, match="does not match its sha256"):
+        again = train(recipe(tiny_chat, tmp_path / "repaired", cache_features="true", **common))
+    assert shards[0].read_bytes() == content, "computed again, as it was"
+    assert abs(again["history"][-1]["eval/loss"] - cached_run["history"][-1]["eval/loss"]) < 2e-6
 
 
 def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny_chat, tmp_path, capsys):

@@ -2,14 +2,17 @@
 
 Recomputing them every step costs about half of an EAGLE step on a small target (a target forward over the
 batch). A recipe that trains for several epochs sets `cache_features: true` and pays for them once. Shards
-are written atomically, so an interrupted run resumes where it stopped, and a rerun with the same target,
-data, layers and dtype reuses them. They are stored in the target's dtype: a cached feature is exactly the
-one the loop would have computed.
+are written atomically, each with its sha256 beside it, so an interrupted run resumes at the shard it stopped in,
+and a rerun with the same target, data, layers and dtype reuses them after checking each against its digest (one
+that does not match, or has none, is computed again). They are stored in the target's dtype: a cached feature is
+exactly the one the loop would have computed. Training reads them memory-mapped, so a corpus whose features exceed
+the machine's memory trains as well as a small one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,7 +87,7 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
     for number, start in enumerate(tqdm(starts, desc="caching features", disable=not is_main)):
         path = directory / f"shard-{number:05d}.safetensors"
         indices = list(range(start, min(start + SHARD_SEQUENCES, len(lengths))))
-        if not path.is_file() and is_main:
+        if is_main and not intact(path):
             per_row: dict[int, list[torch.Tensor]] = {layer: [None] * len(indices) for layer in kept}
             by_length = sorted(range(len(indices)), key=lambda j: lengths[indices[j]])  # little padding per batch
             for b in range(0, len(by_length), batch_size):
@@ -98,5 +101,33 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
                         per_row[layer][j] = hidden[layer][r, : lengths[indices[j]]].cpu()
             with written_atomically(path) as staging:  # a shard is either complete or absent
                 save_file({f"layer{layer}": torch.cat(per_row[layer]).contiguous() for layer in kept}, str(staging))
+            with written_atomically(digest_path(path)) as staging:  # after the shard: a digest names a whole one
+                staging.write_text(file_digest(path))
         shards.append(path)
     return FeatureStore(shards, lengths)
+
+
+def digest_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def intact(shard: Path) -> bool:
+    """Whether `shard` is there and matches the digest written beside it (else it is computed again)."""
+    if not shard.is_file():
+        return False
+    try:
+        expected = digest_path(shard).read_text().strip()
+    except OSError:
+        expected = None
+    if expected == file_digest(shard):
+        return True
+    warnings.warn(f"{shard} does not match its sha256 (or has none): computing it again", stacklevel=3)
+    return False
