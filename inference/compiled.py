@@ -131,7 +131,7 @@ class CompiledPasses:
 
     def ready(self, verbose: bool = True, recheck: bool = False) -> bool:
         """Load or build the packages if that was not done yet; False when they cannot be had (decode eagerly).
-        `recheck` (once a generate() call): weights changed in place since get packages of their own."""
+        With `recheck` (once a generate() call), weights changed in place since get packages of their own."""
         if recheck and self.runner is not None and self.packages()[0][0] != self.paths[0]:
             self.runner = self.narrow_runner = None
         if self.runner is None and self.failed is None:
@@ -197,8 +197,10 @@ class CompiledPasses:
                 problem = f"{_reason(error)}; it is recorded in {store.failure_path(path)}"
             except _RecordedFailure as failure:
                 problem = f"{failure}, when this machine tried; to try again, delete {store.failure_path(path)}"
-            except (OSError, RuntimeError) as error:  # the store cannot be written, a package does not load
+            except OSError as error:  # the store cannot be written (a path through a file, a read-only or full disk)
                 problem = f"{_reason(error)}; check that {path.parent} is a writable directory (SPECHEADS_CACHE)"
+            except RuntimeError as error:  # built, and still not loading
+                problem = f"the package at {path} does not load: {_reason(error)}"
             else:
                 continue
             if number == 0:
