@@ -167,3 +167,17 @@ def test_the_installed_command_line_reports_errors_and_ctrl_c_in_one_line(tiny_c
     assert (
         chat.returncode == 130 and "Traceback" not in err and err.strip().endswith("python -m inference: interrupted")
     ), err
+
+
+def test_compile_builds_packages_ahead_of_time_and_a_second_run_loads_them(tiny_chat, tmp_path, capsys, monkeypatch):
+    from inference.compile import main as compile_main
+
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    compile_main(["--model", str(tiny_chat / "model"), "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert "compiling the target's decoding pass" in captured.err
+    built = [line.split(": ", 1)[1] for line in captured.out.splitlines() if line.startswith("  ")]
+    assert built and all(Path(path).is_file() for path in built)
+    compile_main(["--model", str(tiny_chat / "model"), "--dtype", "float32"])
+    again = capsys.readouterr()
+    assert "compiling" not in again.err, "loaded, not built again"
