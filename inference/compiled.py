@@ -176,10 +176,7 @@ class CompiledPasses:
         return export_decoding_pass(self.module)
 
     def _prepare(self, verbose: bool) -> None:
-        try:
-            packages = self.packages()
-        except OSError as error:  # a weight that cannot be read back to the host, say
-            return self._fail(f"no package key: {_reason(error)}")
+        packages = self.packages()
         program = []  # exported once, on the first package to build
 
         def exported():

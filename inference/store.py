@@ -85,10 +85,18 @@ def recorded_failure(path: Path) -> str | None:
         return None
 
 
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (its parameters' versions, digest)
+
+
 def weights_digest(module: torch.nn.Module) -> str:
     """A digest of every byte of `module`'s weights and buffers (with their names, shapes and dtypes): what keys an
-    artefact built from them. Worked out again only when a parameter changed (unchanged_since_last)."""
-    return unchanged_since_last(module, "weights", lambda: _digest(module))
+    artefact built from them. Worked out again only when a parameter changed since (its in-place version counter or
+    storage: `.to()` swaps the storage), as every generate() call asks for it."""
+    versions = tuple((id(p), p._version, p.data_ptr(), p.dtype) for p in module.parameters())
+    known = _DIGESTS.get(module)
+    if known is None or known[0] != versions:
+        _DIGESTS[module] = known = (versions, _digest(module))
+    return known[1]
 
 
 def _digest(module: torch.nn.Module) -> str:
@@ -103,17 +111,3 @@ def _digest(module: torch.nn.Module) -> str:
     # hashlib releases the GIL over large buffers: the tensors are hashed on every core
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         return hashlib.sha256(b"".join(pool.map(one, tensors))).hexdigest()
-
-
-_WORKED_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def unchanged_since_last(module: torch.nn.Module, what: str, work_out):
-    """work_out(), or what it gave for `module` last time if none of its parameters has changed since (their
-    in-place version counters and storage; `.to()` swaps the storage): a digest reads every weight, which every
-    generate() call would otherwise pay for."""
-    versions = tuple((id(p), p._version, p.data_ptr(), p.dtype) for p in module.parameters())
-    known = _WORKED_OUT.setdefault(module, {})
-    if what not in known or known[what][0] != versions:
-        known[what] = (versions, work_out())
-    return known[what][1]
