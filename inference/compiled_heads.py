@@ -8,21 +8,31 @@ import dataclasses
 import json
 import time
 
+import torch
+
 from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
-from .compiled import PASSES, CompiledPasses, is_compiled
+from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
 from .passes import export_exit_pass, export_head_pass
 from .store import weights_digest
 
 
-class CompiledHead(CompiledPasses):
+class HeadPasses(CompiledPasses):
+    """A head's passes (a subclass says its `dtype`): through inductor's GEMM template only where that serves every
+    pass (bfloat16 with AMX, where it also makes a draft level cheaper), else oneDNN's products alone: one package."""
+
+    @property
+    def gemm_template(self) -> bool:
+        return template_serves_every_pass(self.dtype)
+
+
+class CompiledHead(HeadPasses):
     """Calls an EAGLE head like the head itself, through a compiled package: its passes over the committed tokens
-    and over each draft level (a 2 ms eager pass of one decoder layer, mostly overhead between small kernels)."""
+    and over each draft level (eager, one decoder layer's pass is mostly overhead between small kernels)."""
 
     what = "the EAGLE head's pass"
-    gemm_template = False  # one layer: oneDNN's products (the template not measured here)
     fuse = None  # the head's feature fusion, its weight packed (inference.packed) at its first use
 
     def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
@@ -52,19 +62,22 @@ class CompiledHead(CompiledPasses):
         return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(head)]
 
     def name(self) -> str:
-        return f"eagle-head-{str(next(self.module.parameters()).dtype).removeprefix('torch.')}"
+        return f"eagle-head-{str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
 
     def export(self):
         return export_head_pass(self.module)
 
 
-class CompiledEarlyExit(CompiledPasses):
+class CompiledEarlyExit(HeadPasses):
     """Calls an early-exit head like the head itself, through a compiled package: its passes over the committed
     tokens and over each draft level. Eager, its layers would cost what the target's eager layers do, while the
     target's own pass runs compiled in about two thirds of that."""
 
     what = "the early-exit draft's pass"
-    gemm_template = False
 
     def __call__(self, input_ids, *, position_ids, attention_mask=None, cache=None):
         head = self.module
@@ -83,7 +96,11 @@ class CompiledEarlyExit(CompiledPasses):
         return [config, weights_digest(head.draft)]
 
     def name(self) -> str:
-        return f"early-exit-{str(self.module.draft.dtype).removeprefix('torch.')}"
+        return f"early-exit-{str(self.dtype).removeprefix('torch.')}"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.draft.dtype
 
     def export(self):
         return export_exit_pass(self.module)

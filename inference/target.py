@@ -36,14 +36,17 @@ BFLOAT16_MARGIN = 0.8  # bf16 must take under this share of the float32 time: a 
 
 @functools.cache
 def bfloat16_is_faster(device_type: str = "cpu") -> bool:
-    """Whether bfloat16 matrix products clearly beat float32 ones here: measured on a CPU, where it depends on
-    the instruction set (fast with AVX512-BF16 or AMX; emulated, 1.7-5x slower than float32, with AVX2 alone)."""
+    """Whether bfloat16 matrix products clearly beat float32 ones here. On a CPU it depends on the instruction set:
+    native with AVX512-BF16 or AMX, emulated (slower than float32, docs/usage.md) without them."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device_type != "cpu":
         return False
-    # a layer of a verification pass: tens of rows through an MLP-sized weight (a single row is
-    # bandwidth-bound, where bfloat16's halved bytes win even when its arithmetic is emulated); ~50 ms
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return True  # native bfloat16 dot products: a timing taken while another process computes could say no
+    # elsewhere (AVX2, AVX512 alone, other architectures) measured: a layer of a verification pass, tens of rows
+    # through an MLP-sized weight (a single row is bandwidth-bound, where bfloat16's halved bytes win even when its
+    # arithmetic is emulated)
     rows, weight = torch.randn(64, 576), torch.randn(1536, 576)
     operands = {dtype: (rows.to(dtype), weight.to(dtype)) for dtype in (torch.bfloat16, torch.float32)}
     best = dict.fromkeys(operands, float("inf"))
