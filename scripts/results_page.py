@@ -134,7 +134,7 @@ TAIL = """## Where the speed comes from
 whose expected acceptance pays for the wider pass, and decodes plainly when none does.
 - **Copied spans and drafts complement each other**: prompt lookup carries the turns that copy, the head the \
 predictable ones (code, maths, quizzes); compiled passes carry the plain loop (3.94x HF on the EPYC), and the heads \
-multiply that. The engine's ceiling with an always-right drafter: [engine_overhead.md](engine_overhead.md).
+multiply that. The ceiling, a drafter always right: 5.8x HF in bf16 ([usage.md](usage.md#the-engines-own-cost)).
 
 ## Running the benchmarks
 
