@@ -5,7 +5,7 @@ others), so every step accepts the deepest path and the figures show the engine'
 per-step cost (trees, masks, acceptance, cache compaction), next to Hugging Face's greedy generate(),
 in one process on the same prompts, methods interleaved prompt by prompt.
 
-    python scripts/engine_overhead.py --prompts 5 --max-new-tokens 128 --out docs/engine_overhead.md
+    python scripts/engine_overhead.py --prompts 5 --max-new-tokens 128 --out docs/results/engine-overhead.md
 
 In bfloat16 a tree pass does not round exactly like one-token passes, so the oracle follows the engine's
 own bf16 output (iterated to a fixed point) rather than HF's; the 'identical' column says how often the

@@ -91,7 +91,7 @@ class DistillConfig:
     answers: int = 2000  # the corpus size this run fills up to (first and second turns), not how many to add
     second_turn_share: float = 0.2  # of those, the share that are second turns
     max_new_tokens: int = 192
-    batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/training.md)
+    batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/experiments.md, row C1)
     # processes, each with `threads` threads: on 2 cores, two 1-thread workers made 1.12x the tokens of one 2-thread
     # process
     workers: int = 2
