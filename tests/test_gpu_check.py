@@ -10,7 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import engine_at_scale  # noqa: E402
 import gpu_check  # noqa: E402
+import host_syncs  # noqa: E402
 from conftest import hf_greedy, tiny_model  # noqa: E402
 from inference import (
     generate,  # noqa: E402
@@ -61,7 +63,7 @@ def test_dry_run_counts_host_reads_in_place_of_syncs_without_cuda(report):
 def test_host_read_recorder_counts_reads_of_tensor_values_by_source_line():
     recorder_lines = []
     x = torch.arange(6)
-    with gpu_check.recording_host_reads() as recorder:
+    with host_syncs.recording_host_reads() as recorder:
         x.tolist()
         recorder_lines.append(sys._getframe().f_lineno - 1)
         if bool((x > 2).any()):  # a read
@@ -92,8 +94,8 @@ def test_the_loop_reads_the_host_once_a_decode_step(drafted):
         drafter = None
         if drafted:
             continuation = torch.cat([prompt, torch.tensor(reference)])
-            drafter = gpu_check.ReplayDrafter(continuation, 4, model.config.vocab_size, lengths=(1, 1, 1))
-        with gpu_check.recording_host_reads() as reads:
+            drafter = engine_at_scale.ReplayDrafter(continuation, 4, model.config.vocab_size, lengths=(1, 1, 1))
+        with host_syncs.recording_host_reads() as reads:
             out = generate(model, drafter, prompt, max_new_tokens=new_tokens, lookup=False, fallback=False)
         assert out.token_ids == reference[:new_tokens]
         runs.append((out.stats.target_forwards, reads.count))
@@ -117,7 +119,7 @@ def test_a_fixed_eagle_tree_reads_the_host_twice_a_decode_step():
     tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8)
     runs = []
     for new_tokens in (12, 24):
-        with gpu_check.recording_host_reads() as reads:
+        with host_syncs.recording_host_reads() as reads:
             out = generate(model, head, prompt, max_new_tokens=new_tokens, tree=tree, lookup=False, fallback=False)
         assert out.token_ids == reference[:new_tokens]
         runs.append((out.stats.target_forwards, reads.count))
@@ -145,7 +147,7 @@ def test_the_default_calls_drafting_reads_the_host_at_most_twice_a_decode_step()
     tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8, cost=cost)
     runs = []
     for new_tokens in (12, 24):
-        with gpu_check.recording_host_reads() as reads:
+        with host_syncs.recording_host_reads() as reads:
             out = generate(model, head, prompt, max_new_tokens=new_tokens, tree=tree, fallback=False)
         assert out.token_ids == reference[:new_tokens]
         runs.append((out.stats.target_forwards, reads.count, reads.sources))
@@ -173,7 +175,7 @@ def test_medusa_heads_read_the_host_twice_a_decode_step(lookup):
     generate(model, heads, prompt, max_new_tokens=24, tree=tree, lookup=lookup, fallback=False)  # shapes cached
     runs = []
     for new_tokens in (12, 24):
-        with gpu_check.recording_host_reads() as reads:
+        with host_syncs.recording_host_reads() as reads:
             out = generate(model, heads, prompt, max_new_tokens=new_tokens, tree=tree, lookup=lookup, fallback=False)
         assert out.token_ids == reference[:new_tokens]
         runs.append((out.stats.target_forwards, reads.count, reads.sources))
@@ -203,7 +205,7 @@ def test_a_batchs_drafting_reads_the_host_at_most_twice_a_decode_step():
     tree = DynamicTreeSpec(depth=4, top_k=3, nodes=8, cost=cost)
     runs = []
     for new_tokens in (12, 24):
-        with gpu_check.recording_host_reads() as reads:
+        with host_syncs.recording_host_reads() as reads:
             outs = generate(model, head, prompts, max_new_tokens=new_tokens, tree=tree, fallback=False, batch_size=4)
         assert [out.token_ids for out in outs] == [reference[:new_tokens] for reference in references]
         runs.append((max(out.stats.target_forwards for out in outs), reads.count, reads.sources))
@@ -218,19 +220,24 @@ def test_replay_drafter_makes_every_step_accept_the_drawn_length():
     prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     reference = hf_greedy(model, prompt, 16)
     continuation = torch.cat([prompt, torch.tensor(reference)])
-    drafter = gpu_check.ReplayDrafter(continuation, depth=4, vocab_size=model.config.vocab_size, lengths=(0, 0, 1))
+    drafter = engine_at_scale.ReplayDrafter(
+        continuation, depth=4, vocab_size=model.config.vocab_size, lengths=(0, 0, 1)
+    )
     out = generate(model, drafter, prompt, max_new_tokens=16, lookup=False, fallback=False)
     assert out.token_ids == reference
     # the prefill's token, then 5 steps of 2 accepted drafts and the target's own token
     assert out.stats.target_forwards == 6 and out.stats.accepted_to_depth == [5, 5, 0, 0]
-    assert gpu_check.expected_accepted((0, 0, 1), depth=4) == 2 and gpu_check.expected_accepted((0, 0, 1), depth=1) == 1
+    assert (
+        engine_at_scale.expected_accepted((0, 0, 1), depth=4) == 2
+        and engine_at_scale.expected_accepted((0, 0, 1), depth=1) == 1
+    )
 
 
 def test_sync_recorder_counts_sync_warnings_by_source_line():
     """The sync section's bookkeeping, fed warnings like the ones torch.cuda.set_sync_debug_mode("warn") raises."""
-    recorder = gpu_check.SyncRecorder()
+    recorder = host_syncs.SyncRecorder()
     here = "tests/test_gpu_check.py"
-    with gpu_check.recorded_warnings(recorder):
+    with host_syncs.recorded_warnings(recorder):
         for _ in range(3):
             warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
         line = sys._getframe().f_lineno - 1
@@ -243,7 +250,7 @@ def test_sync_recorder_counts_sync_warnings_by_source_line():
         )
         library_call = sys._getframe().f_lineno - 6
     assert recorder.count == 4
-    assert gpu_check.source_text(f"{here}:{line}").startswith('warnings.warn("called a synchronizing CUDA operation"')
+    assert host_syncs.source_text(f"{here}:{line}").startswith('warnings.warn("called a synchronizing CUDA operation"')
     assert recorder.sources.most_common() == [
         ((f"{here}:{line}", ""), 3),
         (("transformers/masking_utils.py:7", f"{here}:{library_call}"), 1),

@@ -17,7 +17,8 @@ MODULES = [
     "training.train_heads",
     "training.distill",
 ]
-SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "common")
+# the scripts run as commands; the others (common.py, the GPU check's sections) are imported by them
+SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if '__name__ == "__main__"' in p.read_text())
 
 
 def entry_point(name: str):
