@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE := 1
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo lint test test-fast bench-overhead gpu-check vllm-check
+.PHONY: install demo lint test test-fast gpu-check vllm-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,9 +37,6 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
-
-bench-overhead: install
-	$(BIN)/python scripts/engine_overhead.py
 
 # on one GPU, at most 8 minutes: exactness, speed against HF generate(), an 8B-shaped model, host syncs per step;
 # writes docs/results/gpu-<card>.md (`scripts/gpu_check.py --dry-run` runs the same code on the CPU in seconds)

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
 import check_greedy  # noqa: E402
+import common  # noqa: E402
 import heldout_questions  # noqa: E402
 import unseen_questions  # noqa: E402
 from conftest import tiny_model  # noqa: E402
@@ -103,10 +104,10 @@ def test_divergence_measures_the_targets_own_logit_gap():
     with torch.no_grad():
         logits = model(torch.cat([prompt, torch.tensor(baseline[:3])])[None]).logits[0, -1]
     runner_up = int(logits.topk(2).indices[1])
-    found = benchmark.divergence(model, prompt, baseline[:3] + [runner_up] + baseline[4:], baseline)
+    found = common.divergence(model, prompt, baseline[:3] + [runner_up] + baseline[4:], baseline)
     assert found["position"] == 3
     assert found["near_tie"] is False and found["steps"] > 3  # a random model's top-2 are far apart in fp32 steps
-    assert benchmark.divergence(model, prompt, baseline[:5], baseline)["near_tie"] is False  # stopped early: not a tie
+    assert common.divergence(model, prompt, baseline[:5], baseline)["near_tie"] is False  # stopped early: not a tie
 
 
 def test_rounding_step_and_near_tie_proof():
@@ -126,54 +127,7 @@ def test_rounding_step_and_near_tie_proof():
         assert steps == pytest.approx(float(ranked.values[0] - ranked.values[runner_up]) / step) and tie == (steps <= 3)
 
 
-def test_scaling_curve_reads_each_heads_training_tokens(tiny_chat, tmp_path):
-    import scaling_curve
-    from heads import EagleConfig, EagleHead, save_heads
-    from inference import load_target
-
-    model, _ = load_target(str(tiny_chat / "model"), compile=False)
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "category": "chat", "turns": ["the cat runs"]}) + "\n")
-    results = []
-    for seed, tokens in ((0, 5000), (1, 1000)):
-        torch.manual_seed(seed)
-        head = save_heads(
-            EagleHead(EagleConfig.for_target(model.config)),
-            tmp_path / f"head-{tokens}",
-            model,
-            training={"tokens": tokens, "sequences": tokens // 50, "steps": 10, "train_seconds": 60.0},
-        )
-        results.append(tmp_path / f"result-{tokens}")
-        benchmark.main(
-            [
-                "--model",
-                str(tiny_chat / "model"),
-                "--questions",
-                str(questions),
-                "--methods",
-                "eagle",
-                "--eagle",
-                str(head),
-                "--tree",
-                "fixed",
-                "--max-new-tokens",
-                "8",
-                "--out",
-                str(results[-1]),
-            ]
-        )
-    scaling_curve.main([str(r.with_suffix(".json")) for r in results] + ["--out", str(tmp_path / "curve")])
-    text = (tmp_path / "curve.md").read_text()
-    assert text.startswith("tau on 1 turns, float32 on cpu, 8 new tokens a turn, fixed tree of 15 drafts")
-    rows = [line for line in text.splitlines() if line[:3].strip("| ").isdigit()]
-    assert [row.split("|")[2].strip() for row in rows] == ["1,000", "5,000"]  # ordered by training tokens
-    taus = {json.loads(r.with_suffix(".json").read_text())["summary"]["overall"]["eagle"]["tau"] for r in results}
-    assert {float(row.split("|")[5].strip(" *")) for row in rows} == {round(t, 2) for t in taus}
-    assert (tmp_path / "curve.png").stat().st_size > 1000
-
-
-def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_chat, tmp_path, capsys):
-    import scaling_curve
+def test_merge_puts_a_runs_shards_together_into_the_whole_runs_figures(tiny_chat, tmp_path, capsys):
     from heads import EagleConfig, EagleHead, save_heads
     from inference import load_target
 
@@ -187,9 +141,8 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
         )
     )
     torch.manual_seed(0)
-    training = {"tokens": 900, "sequences": 9, "steps": 3, "train_seconds": 6.0}
-    head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "head", model, training=training)
-    common = [
+    head = save_heads(EagleHead(EagleConfig.for_target(model.config)), tmp_path / "head", model)
+    options = [
         "--model",
         str(tiny_chat / "model"),
         "--questions",
@@ -201,22 +154,16 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
         "--tree",
         "fixed",
     ]
-    common += ["--max-new-tokens", "8"]
+    options += ["--max-new-tokens", "8"]
     for name, shard in (
         ("whole", []),
         ("part0", ["--shard", "0/3"]),
         ("part1", ["--shard", "1/3"]),
         ("part2", ["--shard", "2/3"]),
     ):
-        benchmark.main(common + shard + ["--out", str(tmp_path / name)])
+        benchmark.main(options + shard + ["--out", str(tmp_path / name)])
     parts = [tmp_path / f"part{k}.json" for k in range(3)]
     assert sorted(len(json.loads(p.read_text())["records"]) for p in parts) == [1, 1, 2]  # questions 0 and 3, 1, 2
-    merged, whole = scaling_curve.point(parts), scaling_curve.point([tmp_path / "whole.json"])
-    assert merged["turns"] == whole["turns"] == 4
-    assert merged["tau"] == pytest.approx(whole["tau"]) and merged["categories"] == pytest.approx(whole["categories"])
-    with pytest.raises(SystemExit, match="twice"):
-        scaling_curve.point(parts + parts[:1])
-
     benchmark.main(["--merge", *map(str, parts), "--out", str(tmp_path / "merged")])  # one result file from the shards
     merged_run, whole_run = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("merged", "whole"))
     assert {r["question_id"] for r in merged_run["records"]} == {0, 1, 2, 3}
@@ -237,7 +184,7 @@ def test_scaling_curve_merges_a_heads_shards_into_the_whole_runs_figures(tiny_ch
             ["--merge", *map(str, parts[:2]), str(tmp_path / "other.json"), "--out", str(tmp_path / "refused")]
         )
     with pytest.raises(SystemExit):
-        benchmark.main(common + ["--shard", "3/3"])
+        benchmark.main(options + ["--shard", "3/3"])
     assert "--shard K/N needs 0 <= K < N, got '3/3'" in capsys.readouterr().err
 
 

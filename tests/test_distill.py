@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -263,35 +262,6 @@ def test_the_target_writes_requests_answers_them_and_writes_second_turns(tiny_ch
     assert manifest["self_prompting"] == {"temperature": 1.0, "top_p": 0.95, "request_tokens": 30}
     with pytest.raises(ValueError, match="request_tokens=30, this run would use 31|self_prompting"):
         distill(replace(config, request_tokens=31))
-
-
-def test_corpus_diversity_counts_distinct_ngrams_lengths_and_openings(tiny_chat, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import corpus_stats
-
-    assert corpus_stats.distinct(["a b a b"], 2) == pytest.approx(2 / 3)  # (a b) twice, (b a) once
-    assert corpus_stats.distinct(["x y", "x y"], 1) == 0.5
-    assert corpus_stats.length_shares(["one two three", " ".join(["w"] * 15)])[:2] == [0.5, 0.5]
-    corpus = distill(settings(tiny_chat, tmp_path, answers=6, second_turn_share=0))
-    out = tmp_path / "stats" / "diversity"
-    script = Path(corpus_stats.__file__)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--corpus",
-            str(corpus),
-            "--prompts",
-            str(tiny_chat / "prompts.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    table = out.with_suffix(".md").read_text()
-    assert "| chat | 3 |" in table and "| maths | 3 |" in table and out.with_suffix(".png").stat().st_size > 1000
 
 
 def test_float32_products_round_like_a_native_bfloat16_kernel():
