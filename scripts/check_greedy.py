@@ -14,17 +14,13 @@ gap between the two top logits along all answers. Exits 1 when any turn fails.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_prompt, read_questions  # noqa: E402
-from inference import load_target  # noqa: E402
+from common import chat_prompt, eos_ids, load, parser, read_questions, table
 
 
 @torch.inference_mode()
@@ -51,9 +47,7 @@ def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], 
 
 def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
     """Per method: turns, tokens, turns with a mismatch or a wrong stop, and the smallest top-two gap."""
-    methods, max_new_tokens = run["args"]["methods"], run["args"]["max_new_tokens"]
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+    methods, max_new_tokens, eos = run["args"]["methods"], run["args"]["max_new_tokens"], eos_ids(model)
     by_id = {q["question_id"]: q for q in questions}
     report = {m: {"turns": 0, "tokens": 0, "wrong_turns": [], "min_gap": float("inf")} for m in methods}
     answers: list[str] = []
@@ -77,21 +71,17 @@ def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
                 entry["min_gap"] = min(entry["min_gap"], result["min_gap"])
             if result["mismatches"] or not result["stops_right"]:
                 entry["wrong_turns"].append({"question_id": record["question_id"], "turn": record["turn"], **result})
-        answers.append(
-            tokenizer.decode(record["tokens"][methods[0]], skip_special_tokens=True)
-        )  # as the benchmark fed them back
+        answers.append(tokenizer.decode(record["tokens"][methods[0]], skip_special_tokens=True))  # as benchmark.py did
     return report
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("record", help="a benchmark run's .json (scripts/benchmark.py --out)")
-    parser.add_argument(
-        "--questions", default=None, help="the question file the run used (default: the one it recorded)"
-    )
-    parser.add_argument("--dtype", default=None, help="default: the dtype the run recorded")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("record", help="a benchmark run's .json (scripts/benchmark.py --out)")
+    p.add_argument("--questions", help="the question file the run used (default: the one it recorded)")
+    p.add_argument("--dtype", help="default: the dtype the run recorded")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
     path = Path(args.record)
     if not path.is_file():
         raise SystemExit(f"{path} not found: pass the .json a benchmark run wrote with --out")
@@ -102,19 +92,13 @@ def main(argv=None):
             "check"
         )
     recorded = run["args"]
-    model, tokenizer = load_target(
-        recorded.get("model"), dtype=args.dtype or recorded.get("dtype", "float32"), device=args.device, compile=False
-    )
+    dtype = args.dtype or recorded.get("dtype", "float32")
+    model, tokenizer = load(recorded.get("model"), dtype=dtype, device=args.device, compile=False)
     report = check_run(model, tokenizer, run, read_questions(args.questions or recorded["questions"]))
+    rows = [[m, e["turns"], e["tokens"], len(e["wrong_turns"]), f"{e['min_gap']:.3g}"] for m, e in report.items()]
     print(
-        "| method | turns | tokens | turns not the target's greedy output | smallest top-two logit gap |\n"
-        "|---|---|---|---|---|"
+        table(["method", "turns", "tokens", "turns not the target's greedy output", "smallest top-two logit gap"], rows)
     )
-    for method, entry in report.items():
-        print(
-            f"| {method} | {entry['turns']} | {entry['tokens']} | {len(entry['wrong_turns'])} | "
-            f"{entry['min_gap']:.3g} |"
-        )
     wrong = {m: e["wrong_turns"] for m, e in report.items() if e["wrong_turns"]}
     if wrong:
         print(json.dumps(wrong, indent=1))

@@ -7,110 +7,84 @@ python scripts/demo.py ["your prompt"] [--heads DIR] [--dtype auto|float32|bfloa
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
-import torch
 from transformers import TextStreamer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the project
-from heads import load_heads  # noqa: E402
-from inference import PromptLookupDrafter, generate, load_target  # noqa: E402
-from inference.calibrate import calibrated_tree  # noqa: E402
-from inference.compiled import is_compiled  # noqa: E402
-from inference.numerics import near_tie  # noqa: E402
-from inference.target import dtype_name  # noqa: E402
+from common import REPO, chat_prompt, divergence, hf_method, load, our_method, parser, table, time_each
+from heads import load_heads
+from inference import PromptLookupDrafter, generate
+from inference.calibrate import calibrated_tree
+from inference.compiled import is_compiled
+from inference.target import dtype_name
 
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-eagle"
+SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPT = "Explain in a short paragraph why the sky is blue, then list three everyday examples of light scattering."
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt", nargs="?", default=PROMPT)
-    parser.add_argument(
-        "--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)"
-    )
-    parser.add_argument(
+    p = parser(__doc__)
+    p.add_argument("prompt", nargs="?", default=PROMPT)
+    p.add_argument("--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)")
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16"],
-        help="auto (default): bfloat16 where this machine computes it faster than float32 (CPUs with "
-        "AVX512-BF16 or AMX, where a pass over many tokens costs little more than over one), else float32",
+        help="auto (default): bfloat16 where this machine computes it faster than float32 (CPUs with AVX512-BF16 or "
+        "AMX, where a pass over many tokens costs little more than over one), else float32",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument(
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="our passes compiled (the default; built once a machine, then loaded), or eager with --no-compile",
     )
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
 
-    model, tokenizer = load_target(dtype=args.dtype, compile=args.compile)
-    dtype = dtype_name(model.dtype)
-    heads = None  # the default call: the head's tree sized to this machine, prompt lookup merged into it
+    model, tokenizer = load(dtype=args.dtype, compile=args.compile)
+    dtype, passes = dtype_name(model.dtype), "compiled" if is_compiled(model) else "eager"
     if Path(args.heads, "config.json").is_file():
-        heads = load_heads(args.heads, model)
+        heads = load_heads(args.heads, model)  # the default call: its tree sized to this machine, lookup merged in
         calibrated_tree(model, heads, verbose=True)  # measured once, then cached: not inside the timing
         print(f"drafting with {args.heads} + prompt lookup")
     else:
         heads = PromptLookupDrafter()
         print(f"no head checkpoint at {args.heads}: drafting with prompt lookup only")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-    ids = torch.tensor([prompt["input_ids"]])
-    generate(model, heads, prompt, max_new_tokens=8)  # warm-up for every method (and the packages), outside the timing
-    generate(model, None, prompt, max_new_tokens=8)
-    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
-    passes = "compiled" if is_compiled(model) else "eager"
-    print(f"target in {dtype}, our passes {passes}")
+    prompt = chat_prompt(tokenizer, [args.prompt])
 
-    print(f"\n> {args.prompt}\n")
-    out = generate(
-        model,
-        heads,
-        prompt,
-        tokenizer=tokenizer,
-        max_new_tokens=args.max_new_tokens,
-        streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-    )
+    hf_name, default_name = "HF generate(), eager", f"the default call, {passes}"
 
-    loop = generate(model, None, prompt, max_new_tokens=args.max_new_tokens).stats
-    started = time.perf_counter()
-    plain = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.max_new_tokens
-    )
-    hf_speed = (plain.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
-    s = out.stats
-    print(f"\n| method ({dtype}) | tokens/s | speedup over HF | tau |\n|---|---|---|---|")
-    print(f"| HF generate(), eager | {hf_speed:.1f} | 1.00x | 1.00 |")
-    print(
-        f"| our loop, no drafter, {passes} | {loop.tokens_per_second:.1f} | "
-        f"{loop.tokens_per_second / hf_speed:.2f}x | 1.00 |"
-    )
-    print(
-        f"| the default call, {passes} | {s.tokens_per_second:.1f} | {s.tokens_per_second / hf_speed:.2f}x | "
-        f"{s.mean_accepted:.2f} |"
-    )
-    reference = plain[0, ids.shape[1] :].tolist()
-    print(
-        f"\nthe default call: {s.new_tokens} tokens, first after {1e3 * s.time_to_first_token:.0f} ms, "
-        f"{s.tokens_per_second / loop.tokens_per_second:.2f}x our plain loop; output identical to HF's: "
-        f"{out.token_ids == reference}"
-    )
-    if out.token_ids != reference:  # bfloat16 only: allowed at a near-tie of the target itself
-        at = next(
-            (i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b),
-            min(len(out.token_ids), len(reference)),
+    def methods(tokens: int) -> dict:
+        plain = our_method(model, tokens, heads=None)
+        return {
+            hf_name: hf_method(model, tokens),
+            f"our loop, no drafter, {passes}": plain,
+            default_name: our_method(model, tokens, heads=heads),
+        }
+
+    time_each(methods(8), prompt)  # warm-up (and the packages loaded), outside the timing
+    print(f"target in {dtype}, our passes {passes}\n\n> {args.prompt}\n")
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    generate(model, heads, prompt, tokenizer=tokenizer, max_new_tokens=args.max_new_tokens, streamer=streamer)
+
+    runs = time_each(methods(args.max_new_tokens), prompt)
+    (hf, hf_seconds), (ours, _) = runs[hf_name], runs[default_name]
+    base, rows = len(hf.outputs[0]) / hf_seconds, []
+    for name, (run, spent) in runs.items():
+        rate, tau = len(run.outputs[0]) / spent, run.stats[0]["mean_accepted"] if run.stats else 1.0
+        rows.append([name, f"{rate:.1f}", f"{rate / base:.2f}x", f"{tau:.2f}"])
+    print("\n" + table([f"method ({dtype})", "tokens/s", "speedup over HF", "tau"], rows))
+    reference, answer = hf.outputs[0], ours.outputs[0]
+    first = 1e3 * ours.stats[0]["time_to_first_token"]
+    print(f"the default call: first token after {first:.0f} ms; output identical to HF's: {answer == reference}")
+    found = divergence(model, prompt, answer, reference) if answer != reference else {"steps": None}
+    if found["steps"] is not None:  # bfloat16 only: allowed at a near-tie of the target itself
+        verdict = "a near-tie: both are valid greedy choices" if found["near_tie"] else "NOT a near-tie: please report"
+        print(
+            f"first difference at token {found['position']}: both tokens are within {found['steps']:.1f} {dtype} "
+            f"rounding steps of the target's top logit there ({verdict})"
         )
-        if at < min(len(out.token_ids), len(reference)):
-            tie, steps = near_tie(model, prompt["input_ids"] + reference[:at], out.token_ids[at], reference[at])
-            print(
-                f"first difference at token {at}: both tokens are within {steps:.1f} {dtype} rounding steps of the "
-                "target's top logit there "
-                f"({'a near-tie: both are valid greedy choices' if tie else 'NOT a near-tie: please report this'})"
-            )
 
 
 if __name__ == "__main__":

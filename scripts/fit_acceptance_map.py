@@ -15,33 +15,23 @@ train on, not the dev set. Works for every head that grows dynamic trees (EAGLE,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import chat_prompt, read_questions  # noqa: E402
-from heads import load_heads  # noqa: E402
-from heads.config import head_config_from_dict  # noqa: E402
-from heads.files import read_checkpoint_config  # noqa: E402
-from inference import DynamicTreeSpec, generate, load_target  # noqa: E402
-from inference.acceptance_map import (  # noqa: E402
-    acceptance_log_probs,
-    draft_outcomes,
-    fit_weights,
-    path_scores,
-)
-from inference.drafters import as_drafter  # noqa: E402
-from inference.drafters.dynamic import DynamicTreeDrafter, drafted_nodes  # noqa: E402
-from inference.tree import Tree  # noqa: E402
-from inference.tree_select import select_best_nodes  # noqa: E402
+from common import command, first_turns, load, parser, read_questions
+from heads.config import head_config_from_dict
+from heads.files import read_checkpoint_config
+from inference import DynamicTreeSpec, generate
+from inference.acceptance_map import acceptance_log_probs, draft_outcomes, fit_weights, path_scores
+from inference.drafters import as_drafter
+from inference.drafters.dynamic import DynamicTreeDrafter, drafted_nodes
+from inference.tree import Tree
+from inference.tree_select import select_best_nodes
 
 
 def record_drafts(model, head, prompts: list[torch.Tensor], tree: DynamicTreeSpec, max_new_tokens: int) -> list:
@@ -110,25 +100,23 @@ def write_weights(checkpoint: Path, weights: list[float]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a head checkpoint directory of this project")
-    parser.add_argument("--questions", required=True, help="held-out prompts (scripts/heldout_questions.py)")
-    parser.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--limit", type=int, default=64, help="at most this many questions (first turns)")
-    parser.add_argument("--depth", type=int, default=10)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--nodes", type=int, default=15, help="draft nodes the replay verifies a step")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--write", action="store_true", help="write the fitted map into CHECKPOINT/config.json")
-    parser.add_argument("--out", default=None, help="write the report (markdown) here too")
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("checkpoint", help="a head checkpoint directory of this project")
+    p.add_argument("--questions", required=True, help="held-out prompts (scripts/heldout_questions.py)")
+    p.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M)")
+    p.add_argument("--limit", type=int, default=64, help="at most this many questions (first turns)")
+    p.add_argument("--depth", type=int, default=10)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=15, help="draft nodes the replay verifies a step")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--write", action="store_true", help="write the fitted map into CHECKPOINT/config.json")
+    p.add_argument("--out", default=None, help="write the report (markdown) here too")
+    args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     read_checkpoint_config(checkpoint)  # a clear error for a foreign or broken checkpoint, before the model loads
 
-    model, tokenizer = load_target(args.model, dtype="float32", compile=False)
-    head = load_heads(checkpoint, model)
-    questions = read_questions(args.questions, args.limit)
-    prompts = [chat_prompt(tokenizer, question["turns"][:1]) for question in questions]
+    model, tokenizer, head = load(args.model, checkpoint, dtype="float32", compile=False)
+    prompts = first_turns(tokenizer, read_questions(args.questions, args.limit))
     tree = DynamicTreeSpec(depth=args.depth, top_k=args.top_k, nodes=args.nodes)
     steps = record_drafts(model, head, prompts, tree, args.max_new_tokens)
 
@@ -139,7 +127,7 @@ def main(argv=None) -> None:
     weights = fit_weights(local, accepted)
     before, after = accepted_drafts(steps, args.nodes, None), accepted_drafts(steps, args.nodes, weights)
     report = (
-        f"Command: `python scripts/fit_acceptance_map.py {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Command: `{command('fit_acceptance_map.py', argv)}`  \n"
         f"{len(prompts)} prompts, {len(steps):,} decode steps, {local.numel():,} drafts whose parent the target wrote; "
         f"tree depth {args.depth}, top-k {args.top_k}, {args.nodes} nodes, float32.\n\n"
         f"Fitted map: w0 {weights[0]:.4f}, w1 {weights[1]:.4f}, w2 {weights[2]:.4f}.\n\n"

@@ -14,15 +14,13 @@ holds all of their prompts out: `--source NAME --count N` writes that source's f
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.config import load_config  # noqa: E402
-from training.corpus import read_corpus  # noqa: E402
-from training.data import held_out_ids  # noqa: E402
+from common import parser
+from training.config import load_config
+from training.corpus import read_corpus
+from training.data import held_out_ids
 
 
 def heldout_questions(
@@ -62,12 +60,12 @@ def heldout_questions(
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="a training recipe with data.corpus")
-    parser.add_argument("--out", required=True, help="the questions file to write (.jsonl)")
-    parser.add_argument("--source", help="a source the recipe leaves out of training (data.exclude_sources)")
-    parser.add_argument("--count", type=int, help="conversations to write (default: the recipe's data.eval_prompts)")
-    args, overrides = parser.parse_known_args(argv)  # --data.key value, as training takes them
+    p = parser(__doc__)
+    p.add_argument("--config", required=True, help="a training recipe with data.corpus")
+    p.add_argument("--out", required=True, help="the questions file to write (.jsonl)")
+    p.add_argument("--source", help="a source the recipe leaves out of training (data.exclude_sources)")
+    p.add_argument("--count", type=int, help="conversations to write (default: the recipe's data.eval_prompts)")
+    args, overrides = p.parse_known_args(argv)  # --data.key value, as training takes them
     data = load_config(args.config, overrides).data
     if not data.corpus:
         raise SystemExit(f"{args.config} trains without a corpus (data.corpus is empty): it holds no prompts out")

@@ -12,17 +12,12 @@ text. The output is derived from the questions file: write it outside the reposi
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from common import chat_prompt, read_questions  # noqa: E402
-from inference.target import default_model_dir  # noqa: E402
+from common import chat_prompt, parser, positive, read_questions
+from inference.target import default_model_dir
 
 ARTICLE = "Article: "
 REQUESTS = (
@@ -47,7 +42,7 @@ def long_questions(texts: list[str], tokenizer, lengths: list[int], per_length: 
     questions, start = [], 0
     for length in lengths:
         for index in range(per_length):
-            request = REQUESTS[(len(questions)) % len(REQUESTS)]
+            request = REQUESTS[len(questions) % len(REQUESTS)]
             packed: list[str] = []
             while len(packed) < len(texts):
                 candidate = packed + [texts[(start + len(packed)) % len(texts)]]
@@ -75,21 +70,15 @@ def _turn(texts: list[str], request: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--questions", required=True, help="a Spec-Bench questions file with summarization questions")
-    parser.add_argument("--model", default=None, help="whose tokenizer counts tokens (default: the embedded target)")
-    parser.add_argument(
-        "--tokens",
-        type=int,
-        nargs="+",
-        default=[1024, 2048, 4096, 8000],
-        help="prompt lengths in tokens, chat template included (at most this many)",
-    )
-    parser.add_argument("--per-length", type=int, default=3)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if args.per_length < 1 or min(args.tokens) < 64:
-        raise SystemExit("--per-length must be >= 1 and every --tokens >= 64")
+    p = parser(__doc__)
+    p.add_argument("--questions", required=True, help="a Spec-Bench questions file with summarization questions")
+    p.add_argument("--model", help="whose tokenizer counts tokens (default: the embedded target)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8000], help="prompt lengths, at most")
+    p.add_argument("--per-length", type=positive, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if min(args.tokens) < 64:
+        p.error(f"every --tokens must be at least 64 (a chat template and a request), got {min(args.tokens)}")
     tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_dir())
     questions = long_questions(articles(read_questions(args.questions)), tokenizer, args.tokens, args.per_length)
     with open(args.out, "w", encoding="utf-8") as out:

@@ -12,27 +12,23 @@ OUT.json; names the instruction set it ran on.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without installing the project
-from heads import load_heads  # noqa: E402
-from inference import calibrate, load_target, warm_up  # noqa: E402
-from inference.cache import new_cache  # noqa: E402
-from inference.calibrate import device_name, interleaved_medians  # noqa: E402
-from inference.compiled import decoding_pass, is_compiled  # noqa: E402
-from inference.tree import Tree, attention_mask, position_ids  # noqa: E402
-from inference.tree_size import DynamicTreeSpec  # noqa: E402
+from common import REPO, header, load, parser, table, timed
+from inference import calibrate, warm_up
+from inference.cache import new_cache
+from inference.calibrate import interleaved_medians
+from inference.compiled import decoding_pass, is_compiled
+from inference.tree import Tree, attention_mask, position_ids
+from inference.tree_size import DynamicTreeSpec
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 ROWS = (1, 4, 8, 16)
 CONTEXTS = {"short": 64, "long": 1024}
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct-eagle"
+SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"
 
 
 def instruction_set() -> str:
@@ -48,15 +44,9 @@ def peaks(dtype: torch.dtype) -> tuple[float, float]:
     n = 4096 if dtype == torch.bfloat16 else 2048
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     data = torch.ones(2**28)  # 1 GiB of float32
-    best_mm = min(_seconds(lambda: a @ b) for _ in range(5))
-    best_sum = min(_seconds(data.sum) for _ in range(5))
+    best_mm = min(timed(lambda: a @ b)[1] for _ in range(5))
+    best_sum = min(timed(data.sum)[1] for _ in range(5))
     return 2 * n**3 / best_mm / 1e9, data.numel() * 4 / best_sum / 1e9
-
-
-def _seconds(run) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
 
 
 def binary_tree(k: int) -> Tree:
@@ -155,22 +145,22 @@ def eager_split(model, k: int, context: int = 64) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
-    parser.add_argument("--heads", default=str(SHIPPED), help="the EAGLE head whose draft level is priced")
-    parser.add_argument("--repeats", type=int, default=7, help="rounds of every pass, interleaved (medians)")
-    parser.add_argument("--out", required=True, help="write OUT.md and OUT.json")
-    args = parser.parse_args(argv)
-    report = {"machine": device_name(torch.device("cpu")), "instruction set": instruction_set(), "dtypes": {}}
-    report["threads"] = torch.get_num_threads()
-    report["command"] = "python scripts/pass_costs.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    p = parser(__doc__)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    p.add_argument("--heads", default=str(SHIPPED), help="the EAGLE head whose draft level is priced")
+    p.add_argument("--repeats", type=int, default=7, help="rounds of every pass, interleaved (medians)")
+    p.add_argument("--out", required=True, help="write OUT.md and OUT.json")
+    args = p.parse_args(argv)
+    report = {
+        "header": header("pass_costs.py", argv, torch.device("cpu")),
+        "instruction set": instruction_set(),
+        "dtypes": {},
+    }
     for name in args.dtypes:
-        model, _ = load_target(dtype=name, tokenizer=False)
-        head = load_heads(args.heads, model)
+        model, _, head = load(None, args.heads, dtype=name, tokenizer=False)
         warm_up(model, head)
         dtype_peaks = peaks(model.dtype)
-        spec = DynamicTreeSpec(depth=5, top_k=8, nodes=15)
-        level = calibrate.measure(model, head, spec).cost.draft_level
+        level = calibrate.measure(model, head, DynamicTreeSpec(depth=5, top_k=8, nodes=15)).cost.draft_level
         report["dtypes"][name] = {
             "compiled": is_compiled(model),
             "peak_gflops": dtype_peaks[0],
@@ -179,39 +169,32 @@ def main(argv=None) -> None:
             "eager_split": {k: eager_split(model, k) for k in (1, 16)},
             "passes": time_passes(model, dtype_peaks, args.repeats),
         }
-        print(f"{name}: done", file=sys.stderr, flush=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
     Path(f"{args.out}.md").write_text(markdown(report))
     print(markdown(report))
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']} ({report['instruction set']}), {report['threads']} torch threads.",
-    ]
+    lines = [f"{report['header']}  \nInstruction set: {report['instruction set']}."]
     for name, run in report["dtypes"].items():
-        lines += [
-            "",
-            f"## {name} ({'compiled' if run['compiled'] else 'EAGER: compiling failed'})",
-            "",
-            f"Peaks measured here: {run['peak_gflops']:.0f} GFLOP/s (a large matrix product), "
-            f"{run['peak_gbps']:.1f} GB/s (reading 1 GiB). A draft level (calibration's pricing): "
-            f"{run['draft_level']:.3f} of a one-token pass. An eager pass's time: "
-            + "; ".join(
-                f"{k} tokens " + ", ".join(f"{part} {share:.0%}" for part, share in split.items())
-                for k, split in run["eager_split"].items()
-            ),
-            "",
-            "| cache | rows | tokens | shape | ms | x one token | GFLOP/s (share of peak) | GB/s (share of peak) |",
-            "|---|---|---|---|---|---|---|---|",
+        split = "; ".join(
+            f"{k} tokens " + ", ".join(f"{part} {share:.0%}" for part, share in parts.items())
+            for k, parts in run["eager_split"].items()
+        )
+        rows = [
+            [p["cache"], p["rows"], p["tokens"], p["shape"], f"{p['ms']:.1f}", f"{p['relative']:.2f}"]
+            + [f"{p['gflops']:.0f} ({p['compute_share']:.0%})", f"{p['gbps']:.1f} ({p['memory_share']:.0%})"]
+            for p in run["passes"]
         ]
-        for p in run["passes"]:
-            lines.append(
-                f"| {p['cache']} | {p['rows']} | {p['tokens']} | {p['shape']} | {p['ms']:.1f} | {p['relative']:.2f} | "
-                f"{p['gflops']:.0f} ({p['compute_share']:.0%}) | {p['gbps']:.1f} ({p['memory_share']:.0%}) |"
-            )
-    return "\n".join(lines) + "\n"
+        columns = ["cache", "rows", "tokens", "shape", "ms", "x one token", "GFLOP/s (share of peak)"]
+        lines += [
+            f"\n## {name} ({'compiled' if run['compiled'] else 'EAGER: compiling failed'})\n",
+            f"Peaks measured here: {run['peak_gflops']:.0f} GFLOP/s (a large matrix product), {run['peak_gbps']:.1f} "
+            f"GB/s (reading 1 GiB). A draft level (calibration's pricing): {run['draft_level']:.3f} of a one-token "
+            f"pass. An eager pass's time: {split}\n",
+            table([*columns, "GB/s (share of peak)"], rows),
+        ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
