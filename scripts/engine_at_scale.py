@@ -1,6 +1,6 @@
 """Section 3 of scripts/gpu_check.py, the engine at scale: a Llama-3.1-8B-shaped model with random weights, driven by
 a drafter that replays a trained head's accepted lengths against HF greedy's continuation; the speedup over HF
-generate() on the same model, and where the loop's time goes.
+generate() on the same model, and where the loop's time goes. Its random-weight Llamas serve the dry run too.
 """
 
 from __future__ import annotations
@@ -13,27 +13,58 @@ from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import Run, Tally, hf_greedy, synchronize, table, timed, while_time_allows
 from inference import Tree, generate
 from inference.drafters import TokenDrafter
 from inference.target import dtype_name
 
-# Llama-3.1-8B's shape (its config.json)
-LLAMA_8B_SHAPE = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-)
 # ACCEPTED_LENGTHS[n]: how many drafting steps accepted exactly n drafted tokens in
 # docs/results/dev2-aoti-head-default-bf16-epyc (the CPU stage-2 EAGLE head through the default call, bfloat16,
 # compiled; 38 turns), from the record's accepted_to_depth counts: 2.18 drafts accepted a step on average.
 ACCEPTED_LENGTHS = (278, 633, 191, 87, 49, 70, 8, 18, 22, 8, 94)
 REPLAY_DEPTH = len(ACCEPTED_LENGTHS) - 1  # deep enough for the longest accepted length recorded
 REPLAY_ROUNDS = 4  # runs of a prompt at most, until the loop reproduces the continuation it replays
+
+
+SHAPE_KEYS = (
+    "hidden_size num_hidden_layers num_attention_heads num_key_value_heads intermediate_size vocab_size".split()
+)
+
+
+def llama_shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> dict:
+    """LlamaConfig's size arguments."""
+    sizes = (hidden, layers, heads, kv_heads, intermediate, vocab)
+    return dict(zip(SHAPE_KEYS, sizes, strict=True))
+
+
+LLAMA_8B_SHAPE = llama_shape(4096, 32, 32, 8, 14336, 128256)  # Llama-3.1-8B's (its config.json)
+
+
+def random_llama(shape: dict, device, dtype: torch.dtype, *, seed: int, eos: int | None, init: float = 0.02):
+    """A Llama of `shape` with random weights, created on `device` in `dtype` (no float32 copy on the host first:
+    an 8B model would need 32 GB of it). Without `eos` it decodes to max_new_tokens, as a benchmark wants."""
+    pad = eos if eos is not None else 0
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    return model.eval()
+
+
+def random_prompts(vocab_size: int, count: int, length: int, low: int = 0) -> list[torch.Tensor]:
+    """`count` prompts of random token ids in [low, vocab_size), of `length` tokens or a little fewer."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(low, vocab_size, (length - i % 3,), generator=generator) for i in range(count)]
 
 
 class ReplayDrafter(TokenDrafter):
@@ -110,7 +141,7 @@ def scale(models, args, deadline: float) -> str:
         ours.add(Run([out.token_ids], s.target_forwards), seconds)
         parts.update(target=s.target_seconds, draft=s.draft_seconds, loop=s.engine_seconds, steps=s.target_forwards - 1)
         parts.update(runs=runs, reproduced=reproduced, identical=out.token_ids == reference)
-    shape = ", ".join(f"{key.replace('_', ' ')} {getattr(model.config, key)}" for key in LLAMA_8B_SHAPE)
+    shape = ", ".join(f"{key.replace('_', ' ')} {getattr(model.config, key)}" for key in SHAPE_KEYS)
     dtype, done = model.dtype, hf.runs
     del model  # 16 GB at the 8B shape: given back to the device now, not when the allocator next needs it
     gc.collect()

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from common import (
     DEFAULT_QUESTIONS,
@@ -49,7 +48,7 @@ from common import (
     timed,
     while_time_allows,
 )
-from engine_at_scale import LLAMA_8B_SHAPE, REPLAY_DEPTH, scale
+from engine_at_scale import LLAMA_8B_SHAPE, REPLAY_DEPTH, llama_shape, random_llama, random_prompts, scale
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, load_heads
 from host_syncs import recording_host_reads, recording_syncs
 from inference import DynamicTreeSpec, generate, load_target, warm_up
@@ -65,15 +64,7 @@ SPEED_HEAD = "EAGLE"  # the head of the README's headline figures
 FIXED_TREE = DynamicTreeSpec(depth=5, top_k=8, nodes=15)
 BATCH = 8
 EXACTNESS_DTYPES = (torch.float32, torch.bfloat16)
-# the dry run's stand-in for the target, shaped like tests/conftest.py's tiny_model
-TINY_SHAPE = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=97,
-)
+TINY_SHAPE = llama_shape(64, 2, 4, 2, 128, 97)  # the dry run's target, shaped like tests/conftest.py's tiny_model
 TINY_EOS = 3
 TINY_INIT = 0.15  # logits spread enough that float32 argmaxes are never near-ties (tests/conftest.py)
 BUDGET_SHARES = {"exactness": 0.30, "speed": 0.40, "scale": 0.25, "syncs": 0.05}  # of the time left at its start
@@ -96,31 +87,6 @@ class Budget:
         left = max(self.seconds - (time.perf_counter() - self.started), 0.0)
         share = self.pending.pop(section)
         return time.perf_counter() + left * share / (share + sum(self.pending.values()))
-
-
-def random_llama(shape: dict, device, dtype: torch.dtype, *, seed: int, eos: int | None, init: float = 0.02):
-    """A Llama of `shape` with random weights, created on `device` in `dtype` (no float32 copy on the host first:
-    an 8B model would need 32 GB of it). Without `eos` it decodes to max_new_tokens, as a benchmark wants."""
-    pad = eos if eos is not None else 0
-    config = LlamaConfig(
-        **shape,
-        max_position_embeddings=4096,
-        initializer_range=init,
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
-    return model.eval()
-
-
-def random_prompts(vocab_size: int, count: int, length: int, low: int = 0) -> list[torch.Tensor]:
-    """`count` prompts of random token ids in [low, vocab_size), of `length` tokens or a little fewer."""
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(low, vocab_size, (length - i % 3,), generator=generator) for i in range(count)]
 
 
 class Models:
@@ -220,11 +186,12 @@ def exactness(models: Models, args, deadline: float) -> str:
                 found[dtype, name].append(None if ours == reference else divergence(model, prompt, ours, reference))
     rows = [[dtype_name(d), name, len(o), *agreement(o, d)] for (d, name), o in found.items()]
     exact = {d: all(agreement(found[d, n], d)[3] for n in HEAD_CHECKPOINTS) for d in EXACTNESS_DTYPES}
-    done, source = len(found[EXACTNESS_DTYPES[0], SPEED_HEAD]), "random token ids" if models.dry_run else "dev set"
+    done = len(found[EXACTNESS_DTYPES[0], SPEED_HEAD])
+    source = "random token ids" if models.dry_run else "the dev set's, one category after another"
     columns = ["dtype", "head", "prompts", "identical to HF", "proven near-ties", "other divergences", "exact"]
     return (
         f"{models.what}; the default call `generate(model, head, prompt)` on {done} of {len(prompts)} first turns "
-        f"({source}, one category after another), {args.max_new_tokens} new tokens at most, against HF greedy "
+        f"({source}), {args.max_new_tokens} new tokens at most, against HF greedy "
         "`model.generate(do_sample=False)` of the same model. Exact: float32 outputs identical to HF's; bfloat16 "
         "divergences each a proven near-tie of the target (teacher-forced on the shared prefix).\n\n"
         + table(columns, [[*row[:-1], "yes" if row[-1] else "NO"] for row in rows])
@@ -404,12 +371,8 @@ def main(argv: list[str] | None = None) -> Path:
     elif args.dry_run:
         out = REPO / "outputs" / "gpu-check-dry-run.md"  # outputs/ is ignored by git: random models are no result
     else:
-        out = (
-            REPO
-            / "docs"
-            / "results"
-            / f"gpu-{re.sub(r'[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-')}.md"
-        )
+        card = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")  # nvidia-h100-80gb-hbm3
+        out = REPO / "docs" / "results" / f"gpu-{card}.md"
     with dry_run_settings(args.dry_run):
         models, budget, timings, bodies = Models(args.dry_run, args.questions), Budget(args.budget_seconds), {}, {}
         for key, section in SECTIONS.items():
