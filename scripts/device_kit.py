@@ -46,17 +46,7 @@ LIMIT = 64 * 2**20
 PART_SIZE = 48 * 2**20  # the GGUF's parts: each fits a call beside the 4 MiB tree
 # what the engine and training import and the device's image lacks or has too old (KINDS.md: transformers 5.17, which
 # passes the KV cache as past_key_values, and huggingface-hub 1.33; no datasets): the versions installed here, as wheels
-WHEELS = (
-    "gguf",
-    "transformers",
-    "huggingface_hub",
-    "httpx2",
-    "httpcore2",
-    "truststore",
-    "datasets",
-    "dill",
-    "multiprocess",
-)
+WHEELS = "gguf transformers huggingface_hub httpx2 httpcore2 truststore datasets dill multiprocess".split()
 # no network there: transformers would otherwise fetch hub kernels for the model's layers when loading it
 OFFLINE = "HF_HUB_OFFLINE=1 USE_HUB_KERNELS=0"
 # The guard: while the folders are out of the index, a commit would delete them from the repository. It refuses on the
