@@ -38,7 +38,7 @@ from common import (
     hf_method,
     interleaved,
     load,
-    load_head,
+    load_head_or_exit,
     our_method,
     parser,
     pick,
@@ -68,7 +68,7 @@ def load_method_heads(args, model) -> dict:
             if not spec:
                 number = " (or an exit layer number: the untrained exit)" if kind == "early-exit" else ""
                 raise SystemExit(f"the {kind} methods need --{kind} CHECKPOINT_DIR{number}")
-            heads[kind] = load_head(spec, model) if kind == "early-exit" else load_heads(spec, model)
+            heads[kind] = load_head_or_exit(spec, model) if kind == "early-exit" else load_heads(spec, model)
     return heads
 
 

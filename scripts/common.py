@@ -118,7 +118,7 @@ def command(script: str, argv: list[str] | None) -> str:
 # --- the target, its heads and HF's baseline ---------------------------------------------------------------------
 
 
-def load_head(spec: str, model):
+def load_head_or_exit(spec: str, model):
     """A head checkpoint directory, or a bare layer number: the target's untrained early exit after that many layers."""
     if spec.isdigit():
         config = EarlyExitConfig.for_target(model.config, exit_layer=int(spec), lora_rank=None)
