@@ -65,7 +65,7 @@ def _timed(answer, prompts: list, at_once: int, batch) -> tuple[list[list[int]],
 def _ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int):
     import torch
 
-    from benchmark import hf_in_chunks
+    from common import hf_in_chunks
     from heads import load_heads
     from inference import generate, load_target
 
@@ -139,8 +139,7 @@ def prepare(args, work: Path) -> dict:
     """The prompts (this venv's tokenizer and chat template), the GGUF file, the HF folder and the exported head."""
     import torch
 
-    from benchmark import pick
-    from common import chat_prompt, read_questions
+    from common import chat_prompt, pick, read_questions
     from heads import load_heads
     from heads.formats import write_format
     from inference import load_target
