@@ -4,8 +4,8 @@ With a custom mask, transformers' SDPA attention repeats each key/value head for
 (`repeat_kv`) before calling the kernel; only a single query token is spared the copy. A tree verification
 pass has many query tokens and always a mask, so it copied the whole cache on every layer of every pass.
 Here the query heads sharing a key/value head are folded into the query axis instead ([B, H, q, d] ->
-[B, H_kv, groups * q, d], the mask tiled to match): the same products, without the copy (3x faster
-attention for SmolLM2-135M's 9 query heads over 3 key/value heads at batch 8).
+[B, H_kv, groups * q, d], the mask tiled to match): the same products, without the copy (faster
+attention wherever query heads share key/value heads).
 
 It is registered with transformers' `AttentionInterface` under GROUPED_SDPA (with "sdpa"'s mask function), the
 library's extension point for attention kernels; `grouped_attention(model)` switches an "sdpa" model to it while

@@ -80,8 +80,8 @@ def main(argv=None):
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compiled target passes (AOTInductor: ~2x faster on a CPU; compiled once a machine in a minute or two, "
-        "then loaded in seconds)",
+        help="compiled target passes (AOTInductor: faster on a CPU, docs/benchmarks.md; built once a machine, then "
+        "loaded in seconds)",
     )
     args = parser.parse_args(argv)
     if not args.chat and not args.prompt:

@@ -10,8 +10,8 @@ of them: acceptance comes in bursts, and a few unlucky steps say little) commit 
 plain steps, the loop decodes plainly for `hold` steps (four times longer each time drafting loses again, up to
 `max_hold`), then drafts to look again.
 
-A look after a hold is a probe, and probes are what a losing drafter costs (the shipped early-exit draft ran 0.84x
-plain decoding, drafting 44% of its steps, nearly all of them in probes). So a probe that loses by more than
+A look after a hold is a probe, and probes are what a losing drafter costs (a drafter slower than plain decoding
+spends nearly all its drafted steps in probes). So a probe that loses by more than
 `PROBE_MARGIN` after `PROBE` timed steps ends there; a hold is at least long enough that the next probe, priced
 at the loss measured last (its steps times the share of a plain step's tokens they fell short by), costs at most
 `PROBE_SHARE` of the hold's tokens; and a call whose drafter was losing when its last call ended (`last_ratio`:

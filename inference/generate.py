@@ -141,7 +141,7 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
       no row's long span widens every row's verification;
     - fallback: decode plainly while drafting does not pay; a batch is judged after fewer steps (a step tells as much
       as `rows` steps of one sequence), but never fewer than four, against plain decoding priced over two steps
-      (a batch-8 step took 84 ms, the next 160)."""
+      (one step's time varies with the rows that just joined)."""
     prompts, rows = batch or (1, 1)
     listed = heads if isinstance(heads, (list, tuple)) else [heads]
     single = [d for d in listed if isinstance(d, SequenceDrafter) and not d.serves_batches]

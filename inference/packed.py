@@ -2,9 +2,8 @@
 
 The drafters' few eager projections (a head's draft vocabulary, an EAGLE head's feature fusion) run every draft
 level. Through `F.linear` a weight is handed to the kernels as it is, every call; packed once into oneDNN's blocked
-layout (what inductor does to a compiled graph's frozen weights), the same products take a third of the time
-(8,192 x 576, one row, 2-core AMD EPYC: bfloat16 296 -> 100 µs, identical without a bias; float32 4.2 -> 0.5 ms,
-equal up to the order of the sums). Packing takes about 4 ms (the first in a process about 100 ms more).
+layout (what inductor does to a compiled graph's frozen weights), the same products take a fraction of the time,
+bfloat16 identical without a bias, float32 equal up to the order of the sums (docs/experiments.md, row X2).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ FOLLOW_UPS = (
 @dataclass
 class DistillConfig:
     model: str | None = None  # hub id or directory; None = the embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # the target's dtype while answering; auto: bfloat16 where faster (1.8x on a Xeon with AMX)
+    dtype: str = "auto"  # the target's dtype while answering; auto: bfloat16 where faster (AVX512-BF16, AMX, a GPU)
     prompts: str = DEFAULT_PROMPTS  # a .jsonl file of prompt records
     id_field: str = "id"
     prompt_field: str = "prompt"
@@ -92,12 +92,12 @@ class DistillConfig:
     second_turn_share: float = 0.2  # of those, the share that are second turns
     max_new_tokens: int = 192
     batch_size: int = 32  # prompts per generate() call (32 was fastest here: docs/experiments.md, row C1)
-    # processes, each with `threads` threads: on 2 cores, two 1-thread workers made 1.12x the tokens of one 2-thread
-    # process
+    # processes, each with `threads` threads: on 2 cores two 1-thread workers made more tokens than one 2-thread
+    # process (docs/experiments.md, row C1)
     workers: int = 2
     threads: int = 1
     device: str = "auto"  # cuda when there is a GPU (then one worker and larger batches: --workers 1 --batch_size 256)
-    shard_answers: int = 256  # answers per shard (~6 minutes of work a worker, ~70 KB compressed)
+    shard_answers: int = 256  # answers per shard (small files, each a few minutes of a worker's work)
     seed: int = 0
     reinstruct_source: str | None = (
         None  # a source of "<instruction>\n\n<text>" prompts (or text first) sharing a few instructions
@@ -343,8 +343,9 @@ def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: in
 class Float32Products(TorchFunctionMode):
     """Runs a bfloat16 model's linear layers as float32 products of its bfloat16 values, each output rounded back to
     bfloat16: what a native bfloat16 matrix kernel does (products accumulated in float32, the result rounded), on a
-    CPU that has none. There torch's emulated bfloat16 products made answers 2.2-3.7x slower than this, and agreed no
-    better with the answers stored in the corpus (docs/training.md). The float32 copies of the weights are made once."""
+    CPU that has none. There torch's emulated bfloat16 products made answers several times slower than this, and
+    agreed no better with the answers stored in the corpus (docs/experiments.md). The float32 copies of the weights
+    are made once."""
 
     def __init__(self):
         super().__init__()
@@ -522,7 +523,7 @@ def distill(cfg: DistillConfig) -> Path:
     if emulated_bfloat16(cfg):
         print(
             "bfloat16 is emulated on this CPU: the workers run the target's linear layers as float32 products rounded "
-            "to bfloat16, as native bfloat16 kernels do (2-4x faster than emulated bfloat16)",
+            "to bfloat16, as native bfloat16 kernels do (much faster than emulated bfloat16)",
             file=sys.stderr,
         )
     done = {(r["id"], r["turn"]): r for r in read_corpus(directory)}

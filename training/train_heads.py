@@ -386,7 +386,7 @@ def main(argv=None):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # own generators: starting a loader's iterator must not draw from the global RNG, or a resumed run
     # (which starts one mid-epoch) would shift the noise and position sampling of an uninterrupted one
-    # padding costs a step as much as real tokens: with length grouping a batch of 8 holds ~1.5x fewer
+    # padding costs a step as much as real tokens: length grouping keeps it out of the batches
     sampler = (
         EpochSeededLengthSampler([len(ids) for ids in rows["input_ids"]], cfg.batch_size, cfg.seed)
         if cfg.group_by_length

@@ -39,7 +39,7 @@ class MergedDrafter(Drafter):
     drafts are scored by how often the tokens such spans added have been right on this row (by the length of the
     n-gram matched; SPAN_PRIOR, decayed as the head's reliability is), and the row keeps its likeliest nodes of
     both, as many as pay for their verification. A whole span can cost more than it brings: with compiled passes on
-    a CPU, a pass past NARROW_TOKENS (inference.compiled) runs through the wider package, at 1.5x a one-token pass.
+    a CPU, a pass past NARROW_TOKENS (inference.compiled) runs through the wider package, which costs more a token.
     """
 
     def __init__(self, drafters: Sequence[Drafter]):
