@@ -79,13 +79,16 @@ def test_other_processes_keeping_a_core_busy_are_noticed():
 
     quiet = calibrate.busy_elsewhere_since()
     time.sleep(0.5)
+    before = quiet()
+    if before > 0.3:  # a spinner is told apart only from an idle machine (CI's)
+        pytest.skip(f"other processes kept {before:.2f} of a core busy: this check needs an idle machine")
     busy = calibrate.busy_elsewhere_since()
     spinner = subprocess.Popen(
         [sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"]
     )
     spinner.wait()
     assert busy() > 0.5, "a process spinning on a core for 1.5 s"
-    assert quiet() < busy()
+    assert before < busy()
 
 
 def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
