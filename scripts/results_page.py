@@ -88,6 +88,7 @@ SECTIONS = (  # each: its heading, what its tables show in a sentence or two, it
         "1.47x vLLM eight at once (the file's second table has every ratio). The identical counts are bf16's: "
         "a difference there may be a near-tie, which this script does not check (the exactness runs below do).",
         Table(("side-by-side-bf16-xeon",)),
+        Table(("side-by-side-16-bf16-xeon",), "The same prompts, 16 at once (the default call 1.16x vLLM):"),
     ),
     (
         "### On an EPYC with AVX512-BF16 (no AMX)",
