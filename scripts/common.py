@@ -307,6 +307,15 @@ def divergence_note(found: dict[str, list[dict]]) -> str:
 # --- reports -----------------------------------------------------------------------------------------------------
 
 
+def instruction_set() -> str:
+    """The CPU's widest matrix instructions: AMX, AVX512-BF16, AVX512 or AVX2 (else torch's name for them)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    for flag, name in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def header(script: str, argv: list[str] | None, device: torch.device) -> str:
     """A results file's first lines: the command that made it and the machine it ran on."""
     return (

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, header, load, parser, table, timed
+from common import REPO, header, instruction_set, load, parser, table, timed
 from inference import calibrate, warm_up
 from inference.cache import new_cache
 from inference.calibrate import interleaved_medians
@@ -29,14 +29,6 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 ROWS = (1, 4, 8, 16)
 CONTEXTS = {"short": 64, "long": 1024}
 SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"
-
-
-def instruction_set() -> str:
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    for flag, name in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2")):
-        if flag in flags:
-            return name
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def peaks(dtype: torch.dtype) -> tuple[float, float]:

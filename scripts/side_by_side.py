@@ -68,14 +68,14 @@ def _timed(answer, prompts: list, at_once: int, batch) -> tuple[list[list[int]],
 def _ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int):
     import torch
 
-    from common import hf_in_chunks
+    from common import hf_greedy, hf_in_chunks
     from heads import load_heads
     from inference import generate, load_target
 
     model, _ = load_target(dtype=setup["dtype"], tokenizer=False, compile=engine != "hf")
     if engine == "hf":
         return _timed(
-            lambda p: hf_in_chunks(model, [p], 1, limit)[0],
+            lambda p: hf_greedy(model, p, limit),
             prompts,
             at_once,
             lambda ps: hf_in_chunks(model, ps, at_once, limit),
@@ -168,14 +168,12 @@ def prepare(args, work: Path) -> dict:
 
 
 def machine() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = next((label for flag, label in ISA if flag in flags), "no AVX2")
-    return f"{name} ({isa}), {os.cpu_count()} cores"
+    import torch
 
+    from common import instruction_set
+    from inference.calibrate import device_name
 
-ISA = (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
+    return f"{device_name(torch.device('cpu'))} ({instruction_set()}), {os.cpu_count()} cores"
 
 
 def report(args, setup: dict, runs: list[dict], argv: list[str]) -> str:
