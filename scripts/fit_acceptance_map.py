@@ -1,7 +1,7 @@
 """Fit a head's map from its draft probabilities to the target's acceptance (inference.acceptance_map) on
 held-out prompts, and write it into the checkpoint's config.json.
 
-    python scripts/heldout_questions.py --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
+    python scripts/questions.py heldout --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
         --out /tmp/heldout.jsonl
     python scripts/fit_acceptance_map.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
 
@@ -102,7 +102,7 @@ def write_weights(checkpoint: Path, weights: list[float]) -> None:
 def main(argv=None) -> None:
     p = parser(__doc__)
     p.add_argument("checkpoint", help="a head checkpoint directory of this project")
-    p.add_argument("--questions", required=True, help="held-out prompts (scripts/heldout_questions.py)")
+    p.add_argument("--questions", required=True, help="held-out prompts (scripts/questions.py heldout)")
     p.add_argument("--model", default=None, help="hub id or directory (default: the embedded SmolLM2-135M)")
     p.add_argument("--limit", type=int, default=64, help="at most this many questions (first turns)")
     p.add_argument("--depth", type=int, default=10)

@@ -12,8 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import benchmark  # noqa: E402
 import check_greedy  # noqa: E402
 import common  # noqa: E402
-import heldout_questions  # noqa: E402
-import unseen_questions  # noqa: E402
+import questions as question_files  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads  # noqa: E402
 from training.corpus import write_shard  # noqa: E402
@@ -244,7 +243,7 @@ def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
         corpus / "shard-00000.jsonl.gz",
         [record(3, 1, "and then?"), record(3, 2, "and then?"), record(0, 1), record(5, 1)],
     )
-    questions = heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 2)
+    questions = question_files.heldout_questions(tmp_path / "prompts.jsonl", corpus, 2)
     assert questions == [
         {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
         {"question_id": 0, "category": "chat", "turns": ["question 0"]},
@@ -254,34 +253,34 @@ def test_heldout_questions_are_the_prompts_training_kept_out(tmp_path):
         corpus / "shard-00001.jsonl.gz",
         [record(1, 1), {**record(1, 1), "id": "self-0", "source": "self-prompted", "prompt": "write me a plan"}],
     )
-    assert heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="maths") == [
+    assert question_files.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="maths") == [
         {"question_id": 3, "category": "maths", "turns": ["question 3", "and then?"]},
         {"question_id": 5, "category": "maths", "turns": ["question 5"]},
         {"question_id": 1, "category": "maths", "turns": ["question 1"]},
     ]
-    assert heldout_questions.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="self-prompted") == [
+    assert question_files.heldout_questions(tmp_path / "prompts.jsonl", corpus, 5, source="self-prompted") == [
         {"question_id": "self-0", "category": "self-prompted", "turns": ["write me a plan"]}
     ]
     (tmp_path / "other.jsonl").write_text(json.dumps(prompts[0]) + "\n")
     with pytest.raises(SystemExit, match="distilled from another prompt file"):
-        heldout_questions.heldout_questions(tmp_path / "other.jsonl", corpus, 2)
+        question_files.heldout_questions(tmp_path / "other.jsonl", corpus, 2)
 
 
 def test_unseen_questions_are_seeded_and_put_each_text_under_one_request():
-    questions = unseen_questions.unseen_questions(3)
-    assert questions == unseen_questions.unseen_questions(3)  # the same file every run
-    assert [q["category"] for q in questions] == [c for c in unseen_questions.CATEGORIES for _ in range(3)]
+    questions = question_files.unseen_questions(3)
+    assert questions == question_files.unseen_questions(3)  # the same file every run
+    assert [q["category"] for q in questions] == [c for c in question_files.CATEGORIES for _ in range(3)]
     modules = [q["question_id"].rsplit("-", 1)[1] for q in questions]
     assert len(set(modules)) == len(modules)  # another text for every question
     for question in questions:
-        request = unseen_questions.CATEGORIES[question["category"]].split("{text}")[0]
+        request = question_files.CATEGORIES[question["category"]].split("{text}")[0]
         assert question["turns"][0].startswith(request) and len(question["turns"]) == 1
     typos = [q for q in questions if q["category"] == "fix-typos"]
     module = importlib.import_module(typos[0]["question_id"].rsplit("-", 1)[1])
     words = set(re.findall(r"[A-Za-z]{5,}", module.__doc__))
     assert any(word not in words for word in re.findall(r"[A-Za-z]{5,}", typos[0]["turns"][0].split("\n\n", 1)[1]))
     with pytest.raises(SystemExit, match="docstrings are long enough"):
-        unseen_questions.unseen_questions(1000)
+        question_files.unseen_questions(1000)
 
 
 def test_fixed_medusa_trees_take_the_heads_shape_unless_told():
