@@ -43,17 +43,19 @@ test-fast: install
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
 
-# vLLM serving heads exported by this project, next to this engine (docs/interop.md): acceptance on chains, outputs
-# identical to vLLM's own greedy, throughput at 1, 4, 8 and 16 requests at a time through `vllm serve`, a chart.
-# vLLM pins another transformers, so it gets a venv of its own, built on first use (~2 minutes). By default the
-# shipped EAGLE-3-layout head (what vLLM loads), with this engine's throughput rows decoding with the shipped
-# own-layout head; VLLM_HEADS=outputs/vllm-check/medusa-heads checks the shipped Medusa heads instead.
+# vLLM serving heads exported by this project, next to this engine (docs/interop.md): through `vllm serve` at 1, 4,
+# 8 and 16 requests at a time, with and without the heads, beside this engine's plain loop and default call (the
+# shipped own-layout head) and its loop drafting vLLM's chains with the same heads: throughput, tokens per decode
+# step, outputs against each engine's own greedy (scripts/side_by_side.py --serve). vLLM pins another transformers,
+# so it gets a venv of its own, built on first use (~2 minutes). By default the shipped EAGLE-3-layout head;
+# VLLM_HEADS=outputs/vllm-check/medusa-heads VLLM_ENGINE=vllm-medusa VLLM_DEPTH=4 checks the Medusa heads instead.
 VLLM_VENV  ?= .venv-vllm
 VLLM_OUT   ?= outputs/vllm-check
 VLLM_HEADS ?= checkpoints/smollm2-135m-instruct-eagle3
+VLLM_ENGINE ?= vllm-eagle3
 ENGINE_HEADS ?= checkpoints/smollm2-135m-instruct-eagle
 VLLM_DEPTH ?= 3
-VLLM_PROMPTS ?= 20
+VLLM_PER_CATEGORY ?= 2
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -66,10 +68,7 @@ $(VLLM_OUT)/medusa-heads/config.json: | $(VENV)/.installed
 		--to medusa --full-vocabulary
 
 vllm-check: install $(VLLM_VENV)/.installed $(VLLM_HEADS)/config.json
-	$(BIN)/python scripts/vllm_check.py ours --heads $(VLLM_HEADS) --engine-heads $(ENGINE_HEADS) --out $(VLLM_OUT) \
-		--prompts $(VLLM_PROMPTS) --depth $(VLLM_DEPTH) --compile
-	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT)
-	$(VLLM_VENV)/bin/python scripts/vllm_check.py vllm --out $(VLLM_OUT) --speculate
-	$(VLLM_VENV)/bin/python scripts/vllm_check.py serve --out $(VLLM_OUT)
-	$(VLLM_VENV)/bin/python scripts/vllm_check.py serve --out $(VLLM_OUT) --speculate
-	$(BIN)/python scripts/vllm_check.py report --out $(VLLM_OUT) | tee $(VLLM_OUT)/report.md
+	$(BIN)/python scripts/side_by_side.py --engines hf plain default chain vllm $(VLLM_ENGINE) --serve --dtype float32 \
+		--at-once 1 4 8 16 --rounds 1 --per-category $(VLLM_PER_CATEGORY) --eagle $(ENGINE_HEADS) \
+		--vllm-heads $(VLLM_HEADS) --vllm-depth $(VLLM_DEPTH) --vllm-python $(VLLM_VENV)/bin/python \
+		--work $(VLLM_OUT) --out $(VLLM_OUT)/report

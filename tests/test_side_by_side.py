@@ -1,45 +1,50 @@
-"""scripts/vllm_check.py's own arithmetic: vLLM's Prometheus counters summed, and the concurrency report (table and
-chart) from the records its steps write. vLLM itself runs in its own venv (`make vllm-check`), not here."""
+"""scripts/side_by_side.py's own arithmetic: vLLM's Prometheus counters read, and the report's tables from the records
+its workers write. The peers themselves run in their own venvs (`make vllm-check`), not here."""
 
-import json
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import vllm_check  # noqa: E402
+import side_by_side  # noqa: E402
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
 vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 40.0
 vllm:spec_decode_num_drafts_created 1.7e9
 vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 5.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 25.0
 """
 
 
-def test_metric_totals_read_the_counter_not_its_siblings():
-    assert vllm_check._metric_total(METRICS, "vllm:spec_decode_num_drafts") == 40.0
-    assert vllm_check._metric_total(METRICS, "vllm:spec_decode_num_accepted_tokens") == 30.0
-    assert vllm_check._metric_total(METRICS, "vllm:absent") == 0.0
+def test_speculation_counters_read_the_totals_not_their_siblings():
+    assert side_by_side.speculation_counters(METRICS) == {"drafts": 40.0, "accepted": 30.0, "per_position": [25.0, 5.0]}
+    assert side_by_side.speculation_counters("") == {"drafts": 0.0, "accepted": 0.0, "per_position": []}
 
 
-def test_concurrency_report_tabulates_every_engine_and_counts_identical_outputs(tmp_path, capsys):
-    def level(seconds, texts):
-        return {"seconds": seconds, "tokens": 100, "texts": texts}
+def test_report_tabulates_every_engine_and_the_engines_drafting_as_vllm_does():
+    eos = 9
 
-    plain = {"levels": {"1": level(10.0, ["a", "b"]), "4": level(4.0, ["a", "b"])}}
-    spec = {"levels": {"1": level(5.0, ["a", "b"]), "4": level(5.0, ["a", "x"])}, "acceptance_length": 1.5}
-    (tmp_path / "serve-plain.json").write_text(json.dumps(plain))
-    (tmp_path / "serve-spec.json").write_text(json.dumps(spec))
-    ours = {"ours-default": {"1": 30.0, "4": 60.0}, "ours-plain": {"1": 15.0, "4": 40.0}}
-    (tmp_path / "ours-throughput.json").write_text(json.dumps(ours))
-    vllm_check.concurrency_report(
-        tmp_path, {"prompts": [[1], [2]], "heads": "checkpoints/served-head", "engine_heads": "checkpoints/own-head"}
-    )
-    printed = capsys.readouterr().out
-    assert "| vLLM, no heads | 10.0 | 25.0 |" in printed
-    assert "| vLLM with the heads (served-head) | 20.0 | 20.0 |" in printed
-    assert "| this project, default call (own-head) | 30.0 | 60.0 |" in printed
-    assert "identical to without | 2/2 | 1/2 |" in printed
-    assert "acceptance length through the server 1.50" in printed
-    assert (tmp_path / "concurrency.png").stat().st_size > 0
+    def run(engine, at_once, seconds, outputs, **more):
+        return {"engine": engine, "at_once": at_once, "round": 0, "outputs": outputs, "seconds": seconds, **more}
+
+    a, b = [1, 2, 3, eos], [4, 5, eos]  # 3 and 2 tokens before EOS
+    runs = [
+        run("hf", 1, [1.0, 1.5], [a, b]),
+        run("plain", 1, [0.5, 0.5], [a, b]),
+        run("plain", 4, [0.5], [a, b]),
+        run("chain", 4, [0.25], [a, [4, 6, eos]], forwards=[3, 2]),  # (4 - 1 + 3 - 1) / (2 + 1) tokens a step
+        run("vllm", 4, [1.0], [a, b]),
+        run("vllm-eagle3", 4, [2.0], [a, [4, 6, eos]], drafts=40.0, accepted=30.0, per_position=[25.0, 5.0]),
+    ]
+    setup = {"eos": [eos], "prompts": [[0], [0]], "max_new_tokens": 8, "dtype": "float32", "vllm_heads": "h"}
+    setup["vllm_depth"] = 2
+    args = argparse.Namespace(at_once=[1, 4], per_category=1, rounds=1, serve=True)
+    text = side_by_side.report(args, setup, runs, ["--serve"])
+    assert "| hf | 2.0: **2.0** (2/2) | - |" in text
+    assert "| plain | 5.0: **5.0** (2/2) | 10.0: **10.0** (2/2) |" in text  # each against HF one at a time
+    assert "| plain / hf | 2.50x | - |" in text and "| plain / vllm | - | 2.00x |" in text
+    assert "| chain | 4 | 1.67 | - | 1/2 |" in text
+    assert "| vllm-eagle3 | 4 | 1.75 | 0.62, 0.12 | 1/2 |" in text
+    assert "vLLM through `vllm serve`" in text
