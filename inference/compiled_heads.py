@@ -13,7 +13,7 @@ import torch
 from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
-from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
+from .compiled import PASSES, TEMPLATE_OPTIONS, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
 from .passes import HeadLevelPass, export_exit_pass, export_head_pass, export_level_pass
 from .store import weights_digest
@@ -77,6 +77,9 @@ class CompiledDraftLevel(HeadPasses):
     a frontier and its outputs' log-probabilities over the draft vocabulary, in one call."""
 
     what = "the EAGLE head's draft level"
+    # the rows a prompt added to the vocabulary are an input, a weight the GEMM template cannot take (it packs
+    # constants): ATen's product serves them
+    template_options = {**TEMPLATE_OPTIONS, "max_autotune_gemm_backends": "CPP,ATEN"}
 
     def __call__(self, states, token_embedding, copy_embedding, *, position_ids, attention_mask, cache, projection):
         """(outputs [rows, T, H], log-probs [rows, T, N + A]) of the frontier; `projection` is what

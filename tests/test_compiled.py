@@ -157,6 +157,14 @@ def test_where_the_gemm_template_serves_every_pass_one_package_does(package_cach
     for heads in (None, oracle):
         assert generate(model, heads, prompt, max_new_tokens=NEW_TOKENS, fallback=False).token_ids == reference
     assert {1, 7, len(prompt)} <= {tokens for _, tokens in shapes}
+    # an EAGLE head's draft level takes the vocabulary's added rows as an input, a weight the template cannot take
+    monkeypatch.setattr(compiled_heads, "template_serves_every_pass", lambda dtype: True)
+    head = EagleHead(EagleConfig.for_target(model.config, draft_vocab_size=40)).eval()
+    level = compiled_heads.compiled_level(head, model, head.draft_vocabulary(model.get_output_embeddings()))
+    [path] = [path for path, _ in level.packages()]
+    assert "-template-" in path.name and level.ready(verbose=False), level.failed
+    tree = DynamicTreeSpec(depth=3, top_k=2, nodes=6)
+    assert generate(model, head, prompt, max_new_tokens=NEW_TOKENS, tree=tree, fallback=False).token_ids == reference
 
 
 def test_compiled_batches_match_each_row_alone(compiled_llama, monkeypatch):
