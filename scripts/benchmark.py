@@ -4,16 +4,15 @@
         --eagle checkpoints/smollm2-135m-instruct-eagle --medusa checkpoints/smollm2-135m-instruct-medusa \\
         --per-category 2 --max-new-tokens 128 --dtype float32 --out docs/results/dev-fp32
 
-Methods: hf (HF generate() greedy: the baseline), hf-lookup (HF prompt lookup decoding), plain (our loop, no
-drafter), lookup (our prompt lookup drafter), eagle, medusa and early-exit (a head alone), HEAD+lookup (the head's
-tree and a copied span merged into one tree), HEAD-default (the default call `generate(model, head, prompt)`: the
-tree sized to this machine, lookup merged, the fallback on, whatever --tree, --no-fallback and --no-context-vocab
-say). Our other methods fall back to plain decoding where drafting does not pay (--no-fallback: never).
-A multi-turn question is answered turn by turn through the chat template; every method is given the baseline's
-earlier answers, so all methods see identical prompts. Reports per category and overall: tokens/s, speedup over the
-baseline, tau (new tokens per target pass) and the share of outputs identical to the baseline's, then our methods'
-time to first token, time per output token, plain steps and acceptance by draft depth; writes OUT.json, OUT.md and
-OUT.png. --batch-sizes measures throughput instead; --merge joins the results of one run's shards.
+Methods: hf (HF generate() greedy, the baseline), hf-lookup (HF prompt lookup), plain (our loop, no drafter), lookup
+(our prompt lookup), eagle, medusa and early-exit (a head alone), HEAD+lookup (a copied span merged into the head's
+tree), HEAD-default (the default call `generate(model, head, prompt)`: the tree sized to this machine, lookup
+merged, the fallback on, whatever --tree, --no-fallback and --no-context-vocab say). Our other methods fall back to
+plain decoding where drafting does not pay (--no-fallback: never). Every method is given the baseline's earlier
+answers, so all see identical prompts. Reports per category: tokens/s, speedup over the baseline, tau (new tokens
+per target pass), outputs identical to the baseline's (each divergence's near-tie proven or not), our loop's latency
+and acceptance by draft depth: OUT.json, OUT.md, OUT.png. --batch-sizes measures throughput instead; --merge joins
+the results of one run's shards.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
         return replace(own, depth=args.depth or own.depth, top_k=args.top_k or own.top_k)
 
     trees = dict.fromkeys(HEADS, shaped(DynamicTreeSpec(nodes=args.nodes)) if fixed else None)
-    if fixed and "medusa" in heads:
+    if fixed and {"medusa", "medusa+lookup"} & set(args.methods):  # a fixed tree of Medusa's own shape
         own = medusa_tree_spec(heads["medusa"], nodes=args.nodes)
         if args.depth is not None and args.depth > own.depth:
             raise SystemExit(f"--depth {args.depth}: the Medusa heads draft at most {own.depth} tokens ahead")
@@ -312,18 +311,9 @@ def arguments(argv):
     p.add_argument("--depth", type=positive, help="fixed trees' depth (default: EAGLE, early exit 5; Medusa: heads)")
     p.add_argument("--top-k", type=positive, help="fixed trees' width a level (default: EAGLE, early exit 4)")
     p.add_argument("--nodes", type=positive, default=15, help="at most this many draft nodes (the root on top)")
-    p.add_argument(
-        "--tree",
-        choices=["calibrated", "fixed"],
-        default="calibrated",
-        help="calibrated: each step keeps the drafts that pay for themselves on this machine; fixed: always --nodes",
-    )
+    p.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated", help="fixed: always --nodes")
     p.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where slower")
-    p.add_argument(
-        "--no-context-vocab",
-        action="store_true",
-        help="heads draft from their own vocabulary only, not the tokens so far too (needs --tree fixed)",
-    )
+    p.add_argument("--no-context-vocab", action="store_true", help="heads draft their own vocabulary only (fixed tree)")
     p.add_argument("--limit", type=positive, help="at most this many questions")
     p.add_argument("--per-category", type=positive, help="the first N questions of each category")
     p.add_argument("--shard", type=shard, metavar="K/N", help="answer every N-th question from the K-th (0-based)")

@@ -1,9 +1,6 @@
 """What the measurement scripts share: questions and their chat prompts, the target and its heads, HF generate()'s
-greedy baseline, methods timed in turn on the same input, the exactness check at near-ties, the results' header and
-tables.
-
-A method is a function of one prompt (token ids) or of a list of prompts and a batch size, returning a `Run`;
-`hf_method` and `our_method` make them, `time_each` and `interleaved` time them.
+greedy baseline, methods timed in turn on the same input (a method: a function of one prompt's token ids, or of a
+list of prompts and a batch size, returning a `Run`), the exactness check at near-ties, the results' header and tables.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,21 +245,10 @@ class Tally:
         return self.tokens / self.forwards if self.forwards else None
 
 
-def while_time_allows(items: Iterable, deadline: float | None, minimum: int = 1) -> Iterator:
-    """The items, until the next one would likely end past `deadline` (a perf_counter time; judged by the mean time of
-    those before it); at least `minimum` of them, so that every report has a figure."""
-    started = time.perf_counter()
-    for count, item in enumerate(items):
-        if deadline is not None and count >= minimum:
-            if time.perf_counter() + (time.perf_counter() - started) / count > deadline:
-                return
-        yield item
-
-
-def interleaved(methods: dict[str, Method], items: list, *extra, deadline=None, desc=None) -> dict[str, Tally]:
-    """Each item (with `extra` arguments) through every method in turn (time_each) while time allows: their tallies."""
+def interleaved(methods: dict[str, Method], items: list, *extra, desc=None) -> dict[str, Tally]:
+    """Each item (with `extra` arguments) through every method in turn (time_each): their tallies."""
     tallies = {name: Tally() for name in methods}
-    for item in tqdm(while_time_allows(items, deadline), total=len(items), desc=desc):
+    for item in tqdm(items, desc=desc):
         for name, (run, seconds) in time_each(methods, item, *extra).items():
             tallies[name].add(run, seconds)
     return tallies

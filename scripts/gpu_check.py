@@ -1,157 +1,114 @@
 """A prepared check for one GPU: is the engine exact there, how fast is it, and where does its time go?
 
-    .venv/bin/python scripts/gpu_check.py            # on a GPU, in --budget-seconds (480): docs/results/gpu-<card>.md
-    .venv/bin/python scripts/gpu_check.py --dry-run  # the same code paths on the CPU, tiny random models, in seconds
+    .venv/bin/python scripts/gpu_check.py            # on a GPU, about 8 minutes: docs/results/gpu-<card>.md
+    .venv/bin/python scripts/gpu_check.py --dry-run  # the same code paths on the CPU, tiny random models
 
-Four sections, each with the command line that made it: 1. exactness: the shipped EAGLE and Medusa heads through
-the default call on dev first turns against HF greedy, float32 outputs identical and bfloat16 divergences proven
-near-ties of the target; 2. speed against HF generate(), methods interleaved prompt by prompt, the default call and
-FIXED_TREE, eager and compiled, at batch 1 and 8; 3. the engine at scale: a Llama-3.1-8B-shaped model with random
-weights, driven by a drafter that replays a trained head's accepted lengths, against HF generate() on it, and where
-the loop's time goes; 4. host synchronisations per decode step (scripts/host_syncs.py).
-
-Each section gets its share of the time left when it starts (BUDGET_SHARES) and stops taking prompts when the next
-would likely end past it. --dry-run builds tiny random-weight models instead and keeps its calibrations and packages
-in a temporary folder; tests/test_gpu_check.py runs it, so the real run's code cannot rot between GPU sessions.
+Sections 1-4 are scripts/benchmark.py runs on the dev set's first question of each category: HF generate() against
+the default call with the shipped EAGLE and Medusa heads (and the EAGLE head's fixed tree, FIXED_TREE), in float32
+(outputs identical), in bfloat16 eager and compiled (each divergence a proven near-tie of the target), then batches
+of 1 and 8. 5: the engine at scale, a Llama-3.1-8B-shaped model with random weights driven by a drafter that replays
+a trained head's accepted lengths, against HF generate() on it, and where the loop's time goes. 6: host
+synchronisations per decode step (scripts/host_syncs.py). The dry run builds a tiny random Llama with the target's
+tokenizer and random heads, keeps calibrations and packages in a temporary folder, and asks two questions;
+tests/test_gpu_check.py runs it, so that the real run's code cannot rot between GPU sessions.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 import re
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+import benchmark
 from common import (
     DEFAULT_QUESTIONS,
     REPO,
+    Run,
+    Tally,
+    chat_prompt,
     command,
-    divergence,
-    divergence_note,
-    first_turns,
     hf_greedy,
-    hf_method,
-    interleaved,
-    our_method,
+    load,
     parser,
     positive,
     read_questions,
+    synchronize,
     table,
     timed,
-    while_time_allows,
 )
-from engine_at_scale import LLAMA_8B_SHAPE, REPLAY_DEPTH, llama_shape, random_llama, random_prompts, scale
-from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, load_heads
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_heads
 from host_syncs import recording_host_reads, recording_syncs
-from inference import DynamicTreeSpec, generate, load_target, warm_up
-from inference.calibrate import calibrated_tree, device_name
-from inference.compiled import compile_target, is_compiled
-from inference.target import dtype_name
+from inference import DynamicTreeSpec, Tree, generate
+from inference.calibrate import device_name
+from inference.drafters import TokenDrafter
+from inference.target import default_model_dir, dtype_name
 
 HEAD_CHECKPOINTS = {
-    "EAGLE": REPO / "checkpoints" / "smollm2-135m-instruct-eagle-cpu-stage2",
-    "Medusa": REPO / "checkpoints" / "smollm2-135m-instruct-medusa",
+    "eagle": REPO / "checkpoints" / "smollm2-135m-instruct-eagle-cpu-stage2",
+    "medusa": REPO / "checkpoints" / "smollm2-135m-instruct-medusa",
 }
-SPEED_HEAD = "EAGLE"  # the head of the README's headline figures
-FIXED_TREE = DynamicTreeSpec(depth=5, top_k=8, nodes=15)
-BATCH = 8
-EXACTNESS_DTYPES = (torch.float32, torch.bfloat16)
-TINY_SHAPE = llama_shape(64, 2, 4, 2, 128, 97)  # the dry run's target, shaped like tests/conftest.py's tiny_model
-TINY_EOS = 3
-TINY_INIT = 0.15  # logits spread enough that float32 argmaxes are never near-ties (tests/conftest.py)
-BUDGET_SHARES = {"exactness": 0.30, "speed": 0.40, "scale": 0.25, "syncs": 0.05}  # of the time left at its start
-SECTION_TITLES = {
-    "exactness": "## 1. Exactness",
-    "speed": "## 2. Speed against HF generate()",
-    "scale": "## 3. The engine at scale: a Llama-3.1-8B-shaped model",
-    "syncs": "## 4. Host synchronisations per decode step",
+FIXED = DynamicTreeSpec(depth=5, top_k=8, nodes=15)  # the benchmark's `eagle` method, no lookup, no fallback
+FIXED_TREE = f"--tree fixed --depth {FIXED.depth} --top-k {FIXED.top_k} --nodes {FIXED.nodes} --no-fallback"
+RUNS = {  # sections 1-4: scripts/benchmark.py's options beside the target, heads, questions and output
+    "1. Float32, eager": "--methods hf eagle-default medusa-default --dtype float32",
+    "2. Bfloat16, eager": "--methods hf eagle-default medusa-default eagle --dtype bfloat16",
+    "3. Bfloat16, compiled": "--methods hf eagle-default eagle --dtype bfloat16 --compile",
+    "4. Batches of 1 and 8": "--methods hf eagle-default eagle --dtype bfloat16 --compile --batch-sizes 1 8",
 }
+SCALE, SYNCS = "5. The engine at scale: a Llama-3.1-8B-shaped model", "6. Host synchronisations per decode step"
+LLAMA_8B_SHAPE = dict(  # Llama-3.1-8B's config.json
+    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336
+)
+TINY_SHAPE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+)
+# ACCEPTED_LENGTHS[n]: how many drafting steps accepted exactly n drafted tokens in
+# docs/results/dev2-aoti-head-default-bf16-epyc (the CPU stage-2 EAGLE head through the default call, bfloat16,
+# compiled; 38 turns), from the record's accepted_to_depth counts: 2.18 drafts accepted a step on average.
+ACCEPTED_LENGTHS = (278, 633, 191, 87, 49, 70, 8, 18, 22, 8, 94)
+REPLAY_DEPTH = len(ACCEPTED_LENGTHS) - 1  # deep enough for the longest accepted length recorded
+REPLAY_ROUNDS = 4  # runs of a prompt at most, until the loop reproduces the continuation it replays
+DRY_RUN_QUESTIONS = (
+    '{"question_id": 1, "category": "writing", "turns": ["Write a short poem about the sea."]}',
+    '{"question_id": 2, "category": "code", "turns": ["Write a Python function that reverses a list."]}',
+)
 
 
-class Budget:
-    """The run's seconds, handed to the sections in turn: each gets its share of what is left when it starts."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.started, self.pending = seconds, time.perf_counter(), dict(BUDGET_SHARES)
-
-    def deadline(self, section: str) -> float:
-        """The perf_counter time by which `section` should end."""
-        left = max(self.seconds - (time.perf_counter() - self.started), 0.0)
-        share = self.pending.pop(section)
-        return time.perf_counter() + left * share / (share + sum(self.pending.values()))
-
-
-class Models:
-    """Where a run's models, heads and prompts come from: the embedded SmolLM2-135M-Instruct with the shipped heads,
-    dev-set first turns and the 8B shape on the GPU, or (dry run) tiny random-weight Llamas and heads on the CPU. Each
-    model and its heads are made once and shared by the sections."""
-
-    def __init__(self, dry_run: bool, questions: str):
-        self.dry_run, self.questions, self.tokenizer = dry_run, questions, None
-        self.device = torch.device("cpu" if dry_run else "cuda")
-        # the dry run in float32: bfloat16 is emulated on many CPUs, and the exactness section's model is reused
-        self.speed_dtype = torch.float32 if dry_run else torch.bfloat16
-        self.large_shape, self.large_prompt_tokens = (TINY_SHAPE, 12) if dry_run else (LLAMA_8B_SHAPE, 128)
-        self.what = (
-            "a tiny random-weight Llama (2 layers, hidden 64, vocab 97) with random EAGLE and Medusa heads, on the CPU"
-            if dry_run
-            else "SmolLM2-135M-Instruct (embedded, inference.load_target) with the shipped heads "
-            + ", ".join(f"`{path.relative_to(REPO)}`" for path in HEAD_CHECKPOINTS.values())
-        )
-        self._small, self._heads = {}, {}
-
-    def small(self, dtype: torch.dtype, compiled: bool = False):
-        """The target the heads were made for, in `dtype`; `compiled`: another instance, decoded with compiled
-        passes (compile_target marks a model for good)."""
-        if (dtype, compiled) not in self._small:
-            if self.dry_run:
-                model = random_llama(TINY_SHAPE, self.device, torch.float32, seed=0, eos=TINY_EOS, init=TINY_INIT)
-                model = compile_target(model.to(dtype)) if compiled else model.to(dtype)
-            else:
-                model, self.tokenizer = load_target(dtype=dtype, device=self.device, compile=compiled)
-            self._small[dtype, compiled] = model
-        return self._small[dtype, compiled]
-
-    def heads(self, model) -> dict[str, torch.nn.Module]:
-        """{"EAGLE": head, "Medusa": heads} for `model`, in its dtype and on its device."""
-        if id(model) not in self._heads:
-            if self.dry_run:
-                self._heads[id(model)] = tiny_heads(model)
-            else:
-                self._heads[id(model)] = {name: load_heads(path, model) for name, path in HEAD_CHECKPOINTS.items()}
-        return self._heads[id(model)]
-
-    def prompts(self, count: int) -> list[torch.Tensor]:
-        """The first `count` prompts of sections 1 and 2: first turns, one category after another, so that a run cut
-        short by the budget still spans the categories (dry run: random token ids)."""
-        if self.dry_run:
-            return random_prompts(TINY_SHAPE["vocab_size"], count, 20, low=TINY_EOS + 1)
-        self.small(torch.float32)  # the tokenizer comes with the model
-        by_category = {}
-        for question in read_questions(self.questions):
-            by_category.setdefault(question["category"], []).append(question)
-        in_turn = [q for round_ in zip(*by_category.values(), strict=False) for q in round_]
-        return first_turns(self.tokenizer, in_turn[:count])
-
-    def large(self):
-        """Section 3's model, random weights, on the device in bfloat16."""
-        return random_llama(self.large_shape, self.device, torch.bfloat16, seed=2 if self.dry_run else 0, eos=None)
-
-    def large_prompts(self, count: int) -> list[torch.Tensor]:
-        return random_prompts(self.large_shape["vocab_size"], count, self.large_prompt_tokens)
+def random_llama(shape: dict, device, dtype: torch.dtype, *, vocab: int, eos: int | None, seed: int, init=0.02):
+    """A Llama of `shape` with random weights, created on `device` in `dtype` (no float32 copy on the host first:
+    an 8B model would need 32 GB of it). Without `eos` it decodes to max_new_tokens, as a benchmark wants."""
+    pad = eos if eos is not None else 0
+    config = LlamaConfig(**shape, vocab_size=vocab, max_position_embeddings=4096, initializer_range=init)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = None, eos, pad
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, pad
+    return model.eval()
 
 
-def tiny_heads(model) -> dict[str, torch.nn.Module]:
-    """Random heads as tests/test_exactness_tiny.py builds them; the EAGLE head like the shipped one: a low layer's
-    features beside the last, a copy input and a draft vocabulary."""
+def tiny_checkpoints(folder: Path) -> tuple[Path, dict[str, Path]]:
+    """The dry run's target, saved with the embedded target's tokenizer: a random Llama whose logits are spread
+    enough that float32 argmaxes are never near-ties (tests/conftest.py's); and random heads for it, the EAGLE head
+    like the shipped one (a low layer's features beside the last, a copy input and a draft vocabulary)."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    eos = tokenizer.eos_token_id
+    model = random_llama(TINY_SHAPE, "cpu", torch.float32, vocab=len(tokenizer), eos=eos, seed=0, init=0.15)
+    model.save_pretrained(folder / "target")
+    tokenizer.save_pretrained(folder / "target")
     torch.manual_seed(1)
     config = EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)
     eagle = EagleHead(config)
@@ -159,206 +116,180 @@ def tiny_heads(model) -> dict[str, torch.nn.Module]:
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=4))
     for parameter in medusa.parameters():
         torch.nn.init.normal_(parameter, std=0.05)  # not the zero init: candidates should vary
-    return {name: head.to(model.device, model.dtype).eval() for name, head in (("EAGLE", eagle), ("Medusa", medusa))}
+    heads = {"eagle": eagle.eval(), "medusa": medusa.eval()}
+    return folder / "target", {
+        kind: save_heads(h, folder / kind, model, dtype=torch.float32) for kind, h in heads.items()
+    }
 
 
-# --- 1. exactness ------------------------------------------------------------------------------------------------
+# --- 5. the engine at scale --------------------------------------------------------------------------------------
 
 
-def agreement(outcomes: list[dict | None], dtype: torch.dtype) -> tuple[int, int, int, bool]:
-    """(identical, proven near-ties, other divergences, exact) of outputs against HF greedy, each None (identical) or
-    its divergence. Exact: float32, every output identical; bfloat16, every divergence a proven near-tie."""
-    identical, ties = outcomes.count(None), sum(d["near_tie"] for d in outcomes if d)
-    exact = identical + (0 if dtype == torch.float32 else ties) == len(outcomes)
-    return identical, ties, len(outcomes) - identical - ties, exact
+class ReplayDrafter(TokenDrafter):
+    """Replays accepted lengths: a chain of `depth` tokens a step whose first n are the true continuation and the rest
+    wrong, n drawn from `lengths` (lengths[n]: how often n were accepted). A random-weight model has no trained head,
+    but the target then accepts exactly n drafts a step, as with one, so the engine runs at a head's pace. Like
+    OracleDrafter it knows the answer: `continuation` is the whole expected sequence, prompt included."""
+
+    def __init__(self, continuation: torch.Tensor, depth: int, vocab_size: int, lengths=ACCEPTED_LENGTHS, seed=0):
+        self.continuation, self.depth, self.vocab_size = continuation, depth, vocab_size
+        self.lengths, self.seed = tuple(lengths), seed
+        self.reset()
+
+    def reset(self, rows: int = 1) -> None:
+        self.draws = random.Random(self.seed)  # every run of a prompt replays the same lengths, step by step
+
+    def propose(self, tokens: torch.Tensor, max_depth: int) -> Tree:
+        position = tokens.shape[0]
+        truth = self.continuation[position : position + min(self.depth, max_depth)]
+        right = min(self.draws.choices(range(len(self.lengths)), weights=self.lengths)[0], truth.shape[0])
+        wrong = (truth[right:] + 1) % self.vocab_size  # never the target's own next token after a right prefix
+        return Tree.chain(torch.cat([tokens[-1:], truth[:right], wrong]))
 
 
-def exactness(models: Models, args, deadline: float) -> str:
-    prompts = models.prompts(args.prompts)
-    targets = {dtype: models.small(dtype) for dtype in EXACTNESS_DTYPES}
-    found = {(dtype, name): [] for dtype in EXACTNESS_DTYPES for name in HEAD_CHECKPOINTS}
-    # every dtype and head on a prompt before the next: a run cut short keeps them all
-    for prompt in tqdm(while_time_allows(prompts, deadline), total=len(prompts), desc="1. exactness (prompts)"):
-        for dtype, model in targets.items():
-            reference = hf_greedy(model, prompt, args.max_new_tokens)
-            for name, head in models.heads(model).items():
-                ours = generate(model, head, prompt, max_new_tokens=args.max_new_tokens).token_ids
-                found[dtype, name].append(None if ours == reference else divergence(model, prompt, ours, reference))
-    rows = [[dtype_name(d), name, len(o), *agreement(o, d)] for (d, name), o in found.items()]
-    exact = {d: all(agreement(found[d, n], d)[3] for n in HEAD_CHECKPOINTS) for d in EXACTNESS_DTYPES}
-    done = len(found[EXACTNESS_DTYPES[0], SPEED_HEAD])
-    source = "random token ids" if models.dry_run else "the dev set's, one category after another"
-    columns = ["dtype", "head", "prompts", "identical to HF", "proven near-ties", "other divergences", "exact"]
-    return (
-        f"{models.what}; the default call `generate(model, head, prompt)` on {done} of {len(prompts)} first turns "
-        f"({source}), {args.max_new_tokens} new tokens at most, against HF greedy "
-        "`model.generate(do_sample=False)` of the same model. Exact: float32 outputs identical to HF's; bfloat16 "
-        "divergences each a proven near-tie of the target (teacher-forced on the shared prefix).\n\n"
-        + table(columns, [[*row[:-1], "yes" if row[-1] else "NO"] for row in rows])
-        + "".join(f"\n- {dtype_name(d)} exact: {'yes' if yes else 'NO'}" for d, yes in exact.items())
-        + divergence_note({f"{dtype_name(d)} {n}": [x for x in o if x] for (d, n), o in found.items()})
-    )
+def expected_accepted(lengths: Sequence[int], depth: int) -> float:
+    """Mean drafts accepted a step when n is drawn from `lengths` and a chain holds `depth`."""
+    return sum(min(n, depth) * count for n, count in enumerate(lengths)) / sum(lengths)
 
 
-# --- 2. speed ----------------------------------------------------------------------------------------------------
+@contextmanager
+def passes_synchronised(model) -> Iterator[None]:
+    """Each forward pass of `model` waits for the device before it returns, so that GenerationStats.target_seconds
+    holds the pass's device time rather than its launches (the loop waits at every step anyway)."""
+    handle = model.register_forward_hook(lambda module, inputs, output: synchronize())
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
-def speed(models: Models, args, deadline: float) -> str:
-    eager, compiled = models.small(models.speed_dtype), models.small(models.speed_dtype, compiled=True)
-    _, compile_seconds = timed(lambda: warm_up(compiled))  # the target's pass compiled (or loaded) now, not timed
-    prompts = models.prompts(args.prompts)
-    methods, first_call = {"HF generate()": hf_method(eager, args.max_new_tokens)}, {}
-    for variant, model in (("eager", eager), ("compiled", compiled)):
-        head = models.heads(model)[SPEED_HEAD]
-        for size in sorted({1, min(BATCH, len(prompts))}):  # the default call's trees, measured once and cached
-            calibrated_tree(model, head, batch=size, verbose=True)
-        for name, settings in (
-            (f"default call, {variant}", dict(heads=head)),
-            (f"fixed tree, {variant}", dict(heads=head, tree=FIXED_TREE, lookup=False, fallback=False)),
-        ):
-            # untimed: the first call (which compiles or loads the compiled head's pass) and a first batch
-            _, first_call[name] = timed(lambda s=settings, m=model: our_method(m, 16, **s)(prompts[0]))
-            our_method(model, 8, **settings)([p.tolist() for p in prompts[:BATCH]], BATCH)
-            methods[name] = our_method(model, args.max_new_tokens, **settings)
-    hf_greedy(eager, prompts[0], 8)  # nor HF's first call
+def replayed_run(model, prompt: torch.Tensor, reference: list[int], max_new_tokens: int, seed: int):
+    """(our loop's output replaying accepted lengths on `prompt`, its seconds, runs, whether it reproduced what it
+    replayed). A bfloat16 pass over a chain does not round like HF's one-token passes, so the loop may part from HF's
+    continuation at a near-tie, after which every replayed "true" token would be wrong; the run is then repeated with
+    the loop's own output as the continuation until it reproduces it, and the last run counts."""
+    truth = reference
+    for runs in range(1, REPLAY_ROUNDS + 1):
+        continuation = torch.cat([prompt, torch.tensor(truth, dtype=torch.long)]).to(model.device)
+        drafter = ReplayDrafter(continuation, REPLAY_DEPTH, model.config.vocab_size, seed=seed)
+        with passes_synchronised(model):
+            out, seconds = timed(
+                lambda d=drafter: generate(
+                    model, d, prompt, max_new_tokens=max_new_tokens, lookup=False, fallback=False
+                )
+            )
+        if out.token_ids == truth:
+            return out, seconds, runs, True
+        truth = out.token_ids
+    return out, seconds, REPLAY_ROUNDS, False
 
-    batch_one = time.perf_counter() + 0.6 * max(deadline - time.perf_counter(), 0.0)  # the rest for batch 8
-    one = interleaved(methods, prompts, deadline=batch_one, desc="2. speed, batch 1 (prompts)")
-    chunks = [[p.tolist() for p in prompts[start : start + BATCH]] for start in range(0, len(prompts), BATCH)]
-    eight = interleaved(methods, chunks, BATCH, deadline=deadline, desc=f"2. speed, batch {BATCH} (chunks)")
-    batch_rows = sum(map(len, chunks[: eight["HF generate()"].runs]))
-    rows = []
-    for batch, tallies in ((1, one), (BATCH, eight)):
-        base = tallies["HF generate()"].tokens_per_second
-        for name, t in tallies.items():
-            ratio, tau = t.tokens_per_second / base if base else 0.0, f"{t.tau:.2f}" if t.tau is not None else "-"
-            rows.append([batch, name, f"{t.tokens_per_second:.1f}", f"{ratio:.2f}x", tau])
-    tree = f"DynamicTreeSpec(depth={FIXED_TREE.depth}, top_k={FIXED_TREE.top_k}, nodes={FIXED_TREE.nodes})"
-    firsts = "; ".join(f"{name}: {seconds:.1f} s" for name, seconds in first_call.items())
-    return (
-        f"{models.what}; the {SPEED_HEAD} head, {dtype_name(models.speed_dtype)}, {args.max_new_tokens} new tokens at "
-        f"most. Batch 1: {one['HF generate()'].runs} of {len(prompts)} prompts; batch {BATCH}: {batch_rows} prompts in "
-        f"chunks (HF decodes a chunk, left-padded, until its last row ends; ours keeps at most {BATCH} rows at once). "
-        "Methods interleaved prompt by prompt (chunk by chunk); tokens/s: new tokens over wall seconds, the device "
-        "synchronised around each call; tau: new tokens per target pass (a row's own passes in a batch). The fixed "
-        f"tree: `{tree}`, lookup=False, fallback=False. Compiled: `inference.compile_target` (AOTInductor), the "
-        f"target's pass compiled or loaded in {compile_seconds:.0f} s; untimed: that, the default calls' trees "
-        f"calibrated, and every method's first call ({firsts}). HF generate() runs the eager model."
-        + (
-            ""
-            if is_compiled(compiled)
-            else " Compiling FAILED (see the warning above it): the compiled rows ran eager."
+
+def scale(args, device: torch.device) -> str:
+    shape, vocab, length, count = (TINY_SHAPE, 97, 12, 2) if args.dry_run else (LLAMA_8B_SHAPE, 128256, 128, 8)
+    model, build_seconds = timed(lambda: random_llama(shape, device, torch.bfloat16, vocab=vocab, eos=None, seed=2))
+    generator, limit = torch.Generator().manual_seed(0), args.max_new_tokens
+    prompts = [torch.randint(vocab, (length - i % 3,), generator=generator) for i in range(count)]
+    replayed_run(model, prompts[0], hf_greedy(model, prompts[0], 8), 8, seed=0)  # untimed: the first calls
+    hf, ours, parts = Tally(), Tally(), Counter()
+    for index, prompt in enumerate(tqdm(prompts, desc=f"{SCALE[:2]} (prompts)")):
+        reference, seconds = timed(lambda m=model, p=prompt: hf_greedy(m, p, limit))
+        hf.add(Run([reference]), seconds)
+        out, seconds, runs, reproduced = replayed_run(model, prompt, reference, limit, seed=index)
+        s = out.stats
+        ours.add(Run([out.token_ids], s.target_forwards), seconds)
+        parts.update(target=s.target_seconds, draft=s.draft_seconds, loop=s.engine_seconds, steps=s.target_forwards - 1)
+        parts.update(runs=runs, reproduced=reproduced, identical=out.token_ids == reference)
+    described = ", ".join(f"{key.replace('_', ' ')} {getattr(model.config, key)}" for key in [*shape, "vocab_size"])
+    del model  # 16 GB at the 8B shape: given back to the device now, not when the allocator next needs it
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    speeds = [
+        [name, f"{t.tokens_per_second:.1f}", f"{t.tokens_per_second / max(hf.tokens_per_second, 1e-9):.2f}x"]
+        + [f"{t.tau or 1.0:.2f}", f"{1e3 / max(t.tokens_per_second, 1e-9):.1f}"]
+        for name, t in (("HF generate()", hf), ("our loop, replayed lengths", ours))
+    ]
+    total, steps = max(parts["target"] + parts["draft"] + parts["loop"], 1e-9), max(parts["steps"], 1)
+    split = [
+        [part, f"{parts[key]:.2f}", f"{100 * parts[key] / total:.0f}%", f"{1e3 * parts[key] / steps:.2f}"]
+        for part, key in (
+            ("target passes (target_seconds, the prefills included)", "target"),
+            ("drafting (draft_seconds: propose and observe)", "draft"),
+            ("the loop (the rest: trees, masks, acceptance, cache)", "loop"),
         )
-        + "\n\n"
-        + table(["batch", "method", "tokens/s", "x HF generate()", "tau"], rows)
+    ]
+    return (
+        f"A Llama with {described}, random weights, built under `torch.device({str(device)!r})` in bfloat16 in "
+        f"{build_seconds:.0f} s. {count} prompts of about {length} random token ids, {limit} new tokens each (no "
+        f"EOS). HF greedy gives each prompt's continuation; a replay drafter drives our loop: a chain of "
+        f"{REPLAY_DEPTH} tokens a step, the first n the continuation's and the rest wrong, n drawn from "
+        "ACCEPTED_LENGTHS (the CPU stage-2 EAGLE head's through the default call in "
+        "docs/results/dev2-aoti-head-default-bf16-epyc: "
+        f"{1 + expected_accepted(ACCEPTED_LENGTHS, REPLAY_DEPTH):.2f} tokens a pass expected). The loop reproduced "
+        f"the continuation it replayed on {parts['reproduced']} of {count} prompts ({parts['runs'] / count:.1f} runs "
+        "a prompt, the last timed: a bfloat16 chain pass may part from HF's output at a near-tie); "
+        f"{parts['identical']} of {count} outputs identical to HF's.\n\n"
+        + table(["method", "tokens/s", "x HF generate()", "tau", "ms per new token"], speeds)
+        + f"\nWhere our loop's time goes (GenerationStats over {parts['steps']} decode steps; a forward hook "
+        "synchronises the device after each target pass, so that target_seconds holds the passes' device time):\n\n"
+        + table(["part", "seconds", "share", "ms per decode step"], split)
     )
 
 
-# --- 4. host synchronisations ------------------------------------------------------------------------------------
+# --- 6. host synchronisations ------------------------------------------------------------------------------------
 
 
-def syncs(models: Models, args, deadline: float) -> str:
-    cuda = models.device.type == "cuda"
-    recording = recording_syncs if cuda else recording_host_reads
-    model = models.small(models.speed_dtype)
-    head = models.heads(model)[SPEED_HEAD]
-    prompt, limit = models.prompts(1)[0], args.max_new_tokens
+def syncs(args, device: torch.device, target: str | None, heads: dict[str, Path], questions: Path) -> str:
+    dtype = torch.float32 if args.dry_run else torch.bfloat16  # bfloat16 is emulated on many CPUs
+    model, tokenizer, head = load(target, heads["eagle"], dtype=dtype, device=device, compile=False)
+    prompt, limit = chat_prompt(tokenizer, read_questions(questions, 1)[0]["turns"][:1]), args.max_new_tokens
     generate(model, head, prompt, max_new_tokens=limit)  # its trees calibrated and warm: not counted
-    counted = {}
-    for name, heads, settings in (
+    recording, counted = recording_syncs if device.type == "cuda" else recording_host_reads, {}
+    for name, drafter, settings in (
         ("default", head, {}),
         ("plain", None, dict(lookup=False, fallback=False)),
-        ("fixed", head, dict(tree=FIXED_TREE, lookup=False, fallback=False)),
+        ("fixed", head, dict(tree=FIXED, lookup=False, fallback=False)),
     ):
         with recording() as recorder:
-            out = generate(model, heads, prompt, max_new_tokens=limit, **settings)
+            out = generate(model, drafter, prompt, max_new_tokens=limit, **settings)
         counted[name] = (recorder, max(out.stats.target_forwards - 1, 1), out.stats)
     with recording() as hf:
         reference = hf_greedy(model, prompt, limit)
     how = (
         'under `torch.cuda.set_sync_debug_mode("warn")` (each warning one host synchronisation)'
-        if cuda
+        if device.type == "cuda"
         else "counting every read of a tensor's values back to Python (`tolist`, `item`, `bool()`, `nonzero`, a "
         "boolean index...: scripts/host_syncs.py's HostReadRecorder), each of which synchronises a GPU; without "
         "CUDA they stand in for the synchronisations"
     )
-    (ours, steps, stats), (plain, plain_steps, _), (fixed, fixed_steps, _) = counted.values()
+    (ours, steps, stats), (plain, plain_steps, _), (tree, tree_steps, _) = counted.values()
     return (
-        f"One default call `generate(model, head, prompt)` with the {SPEED_HEAD} head, "
-        f"{dtype_name(models.speed_dtype)}, eager, on the first prompt of section 1, {limit} new tokens at most, after "
-        f"an uncounted call, {how}: **{ours.count} synchronisations in {steps} decode steps and the prefill, "
-        f"{ours.count / steps:.2f} per decode step** ({stats.new_tokens} new tokens, tau {stats.mean_accepted:.2f}). "
-        f"Our loop without a drafter (`heads=None`): {plain.count} in {plain_steps} decode steps and the prefill, "
-        f"{plain.count / plain_steps:.2f} a step. The fixed tree of section 2 (no lookup, no fallback): {fixed.count} "
-        f"in {fixed_steps} decode steps and the prefill, {fixed.count / fixed_steps:.2f} a step. HF generate() on the "
-        f"same prompt: {hf.count} in {len(reference)} new tokens, {hf.count / max(len(reference), 1):.2f} a token.\n\n"
+        f"One default call `generate(model, head, prompt)` with the EAGLE head, {dtype_name(dtype)}, eager, on the "
+        f"first question's first turn, {limit} new tokens at most, after an uncounted call, {how}: **{ours.count} "
+        f"synchronisations in {steps} decode steps and the prefill, {ours.count / steps:.2f} per decode step** "
+        f"({stats.new_tokens} new tokens, tau {stats.mean_accepted:.2f}). Our loop without a drafter (`heads=None`): "
+        f"{plain.count} in {plain_steps} decode steps and the prefill, {plain.count / plain_steps:.2f} a step. The "
+        f"fixed tree (`{FIXED}`, no lookup, no fallback): {tree.count} in {tree_steps} decode steps and the prefill, "
+        f"{tree.count / tree_steps:.2f} a step. HF generate() on the same prompt: {hf.count} in {len(reference)} new "
+        f"tokens, {hf.count / max(len(reference), 1):.2f} a token.\n\n"
         "Where the default call's come from, most frequent first (the line that synchronised; for a line outside this "
         f"repository, the innermost line of ours that led there):\n\n{ours.rows(steps)}\nThe fixed tree's:\n\n"
-        + fixed.rows(fixed_steps)
+        + tree.rows(tree_steps)
     )
 
 
 # --- the report --------------------------------------------------------------------------------------------------
 
-SECTIONS = {"exactness": exactness, "speed": speed, "scale": scale, "syncs": syncs}
-
-
-@contextmanager
-def dry_run_settings(enabled: bool) -> Iterator[None]:
-    """A dry run keeps its calibrations and compiled packages in a temporary folder (random tiny models have no place
-    in the user's caches) and computes on one thread: a tiny model's passes gain nothing from a second, and stall
-    when another process shares the cores."""
-    if not enabled:
-        yield
-        return
-    saved_root, saved_threads = os.environ.get("SPECHEADS_CACHE"), torch.get_num_threads()
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        os.environ["SPECHEADS_CACHE"] = scratch  # where inference.store keeps packages and calibrations
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(saved_threads)
-            if saved_root is None:
-                os.environ.pop("SPECHEADS_CACHE")
-            else:
-                os.environ["SPECHEADS_CACHE"] = saved_root
-
-
-def render(models: Models, args, line: str, timings: dict[str, float], bodies: dict[str, str]) -> str:
-    machine = device_name(models.device)
-    cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
-    took = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in timings.items())
-    lines = [
-        f"# GPU check: {machine}\n\nCommand: `{line}`  ",
-        f"Machine: {machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}{cuda}, transformers "
-        f"{transformers.__version__}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.  ",
-        f"Budget {args.budget_seconds:.0f} s; the run took {sum(timings.values()):.0f} s ({took}).",
-    ]
-    if args.dry_run:
-        lines.append(
-            "\n**Dry run**: tiny random-weight models on the CPU; the figures check the script, not the engine."
-        )
-    for key, body in bodies.items():
-        lines.append(f"\n{SECTION_TITLES[key]}\n\nCommand: `{line}` ({timings[key]:.0f} s)\n\n{body.rstrip()}")
-    return "\n".join(lines) + "\n"
-
 
 def arguments(argv):
     p = parser(__doc__)
-    p.add_argument("--dry-run", action="store_true", help="tiny random-weight models on the CPU (seconds)")
+    p.add_argument("--dry-run", action="store_true", help="tiny random-weight models on the CPU (a minute)")
     p.add_argument("--out", help="the report (default: docs/results/gpu-<card>.md; dry run: outputs/)")
-    p.add_argument("--budget-seconds", type=float, default=480.0, help="the whole run's time (default 480)")
-    p.add_argument("--prompts", type=positive, help="first turns asked (default 20; dry run 3)")
+    p.add_argument("--per-category", type=positive, default=1, help="benchmark questions a category (default 1)")
     p.add_argument("--max-new-tokens", type=positive, help="default 128; dry run 16")
-    p.add_argument("--scale-prompts", type=positive, help="random prompts for the 8B shape (default 8; dry run 2)")
-    p.add_argument("--replay-depth", type=positive, default=REPLAY_DEPTH, help="the replay drafter's chain")
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench style question file")
     args = p.parse_args(argv)
-    for name, default in zip(
-        ("prompts", "max_new_tokens", "scale_prompts"), (3, 16, 2) if args.dry_run else (20, 128, 8)
-    ):
-        setattr(args, name, getattr(args, name) or default)
+    args.max_new_tokens = args.max_new_tokens or (16 if args.dry_run else 128)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here: run on a GPU, or with --dry-run (tiny random models on the CPU)")
     return args
@@ -366,6 +297,7 @@ def arguments(argv):
 
 def main(argv: list[str] | None = None) -> Path:
     args = arguments(argv)
+    device = torch.device("cpu" if args.dry_run else "cuda")
     if args.out:
         out = Path(args.out)
     elif args.dry_run:
@@ -373,11 +305,48 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         card = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")  # nvidia-h100-80gb-hbm3
         out = REPO / "docs" / "results" / f"gpu-{card}.md"
-    with dry_run_settings(args.dry_run):
-        models, budget, timings, bodies = Models(args.dry_run, args.questions), Budget(args.budget_seconds), {}, {}
-        for key, section in SECTIONS.items():
-            bodies[key], timings[key] = timed(lambda s=section, k=key: s(models, args, budget.deadline(k)))
-    text = render(models, args, command("gpu_check.py", argv), timings, bodies)
+    bodies, timings = {}, {}
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-check-")))
+        target, heads, questions = None, HEAD_CHECKPOINTS, Path(args.questions)
+        if args.dry_run:  # random models have no place in the user's caches; a tiny pass gains nothing from a thread
+            stack.enter_context(mock.patch.dict(os.environ, SPECHEADS_CACHE=str(scratch / "cache")))
+            stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(1)
+            target, heads = tiny_checkpoints(scratch)
+            questions = scratch / "questions.jsonl"
+            questions.write_text("".join(line + "\n" for line in DRY_RUN_QUESTIONS))
+        options = [
+            *(["--model", str(target)] if target else []),
+            "--questions",
+            str(questions),
+            "--device",
+            str(device),
+        ]
+        options += ["--eagle", str(heads["eagle"]), "--medusa", str(heads["medusa"]), *FIXED_TREE.split()]
+        options += ["--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens)]
+        for title, run in RUNS.items():
+            name = scratch / title.split(".")[0]
+            _, timings[title] = timed(lambda r=run, n=name: benchmark.main([*options, *r.split(), "--out", str(n)]))
+            bodies[title] = name.with_suffix(".md").read_text()
+        bodies[SCALE], timings[SCALE] = timed(lambda: scale(args, device))
+        line = f"Command: `{command('gpu_check.py', argv)}`"
+        bodies[SCALE] = f"{line}\n\n{bodies[SCALE]}"
+        body, timings[SYNCS] = timed(lambda: syncs(args, device, target, heads, questions))
+        bodies[SYNCS] = f"{line}\n\n{body}"
+    machine = device_name(device)
+    took = ", ".join(f"{title.split('.')[0]}. {seconds:.0f} s" for title, seconds in timings.items())
+    text = (
+        f"# GPU check: {machine}\n\n{line}  \nMachine: {machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+        f"{f' (CUDA {torch.version.cuda})' if torch.version.cuda else ''}, transformers {transformers.__version__}; "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC.  \nThe run took {sum(timings.values()):.0f} s ({took}).\n"
+        + (
+            "\n**Dry run**: tiny random-weight models on the CPU; the figures check the script, not the engine.\n"
+            if args.dry_run
+            else ""
+        )
+        + "".join(f"\n## {title}\n\n{body.rstrip()}\n" for title, body in bodies.items())
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text + f"\nwrote {out}")

@@ -1,4 +1,4 @@
-"""Counting host synchronisations by source line, for scripts/gpu_check.py's section 4.
+"""Counting host synchronisations by source line, for scripts/gpu_check.py's last section.
 
 On CUDA, torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call (recording_syncs). On any device,
 HostReadRecorder counts the calls that read a tensor's values back to Python, each of which synchronises a GPU

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py's dry run: every section's code runs on the CPU with tiny random models (about 40 s, most of
-it compiling the tiny target and head), so that the GPU check cannot rot between GPU sessions."""
+"""scripts/gpu_check.py's dry run: every section's code runs on the CPU with tiny random models (a minute or two, most
+of it compiling the tiny target and head), so that the GPU check cannot rot between GPU sessions; and the host reads
+a decode step makes, counted on the CPU."""
 
 import re
 import sys
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import engine_at_scale  # noqa: E402
 import gpu_check  # noqa: E402
 import host_syncs  # noqa: E402
 from conftest import hf_greedy, tiny_model  # noqa: E402
@@ -28,32 +28,33 @@ def report(tmp_path_factory) -> str:
     return out.read_text()
 
 
-def section(report: str, key: str) -> str:
+def section(report: str, title: str) -> str:
     """The text under one section's heading, up to the next heading."""
-    return report.split(gpu_check.SECTION_TITLES[key], 1)[1].split("\n## ", 1)[0]
+    return report.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_dry_run_writes_all_four_sections_each_with_its_command(report):
-    for key in gpu_check.SECTION_TITLES:
-        assert "Command: `python scripts/gpu_check.py --dry-run --out " in section(report, key), key
+def test_dry_run_writes_every_section_each_with_its_command(report):
+    for title in gpu_check.RUNS:
+        assert "Command: `python scripts/benchmark.py --model " in section(report, title), title
+    for title in (gpu_check.SCALE, gpu_check.SYNCS):
+        assert "Command: `python scripts/gpu_check.py --dry-run --out " in section(report, title), title
 
 
 def test_dry_run_finds_the_tiny_models_exact_in_float32(report):
-    text = section(report, "exactness")
-    rows = [line for line in text.splitlines() if line.startswith("| float32 |")]
-    assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows), rows  # the EAGLE and Medusa rows
-    assert "- float32 exact: yes" in text
+    text = section(report, "1. Float32, eager")
+    overall = next(line for line in text.splitlines() if line.startswith("| overall"))
+    assert overall.count("100% identical") == 2 and "Divergences" not in text, text  # the EAGLE and Medusa calls
 
 
 def test_dry_run_reports_positive_speedups(report):
-    speed = [float(x) for x in re.findall(r"\| (\d+\.\d+)x \|", section(report, "speed"))]
-    scale = [float(x) for x in re.findall(r"\| (\d+\.\d+)x \|", section(report, "scale"))]
-    assert len(speed) == 10 and len(scale) == 2  # HF and 4 methods at batch 1 and 8; HF and the replayed loop
-    assert all(ratio > 0 for ratio in speed + scale)
+    batches = [float(x) for x in re.findall(r"\((\d+\.\d+)x, tau", section(report, "4. Batches of 1 and 8"))]
+    scale = [float(x) for x in re.findall(r"\| (\d+\.\d+)x \|", section(report, gpu_check.SCALE))]
+    assert len(batches) == 4 and len(scale) == 2  # the default call and the fixed tree at 1 and 8; HF and the replay
+    assert all(ratio > 0 for ratio in batches + scale)
 
 
 def test_dry_run_counts_host_reads_in_place_of_syncs_without_cuda(report):
-    text = section(report, "syncs")
+    text = section(report, gpu_check.SYNCS)
     assert "HostReadRecorder" in text and "(`heads=None`)" in text and "The fixed tree's:" in text
     loop_rows = re.findall(r"\| \d+ \| (\d+\.\d+) \| `inference/loop\.py:\d+`", text)
     # the default call's rows, then the fixed tree's: the loop reads once a step (and a few times a call)
@@ -94,7 +95,7 @@ def test_the_loop_reads_the_host_once_a_decode_step(drafted):
         drafter = None
         if drafted:
             continuation = torch.cat([prompt, torch.tensor(reference)])
-            drafter = engine_at_scale.ReplayDrafter(continuation, 4, model.config.vocab_size, lengths=(1, 1, 1))
+            drafter = gpu_check.ReplayDrafter(continuation, 4, model.config.vocab_size, lengths=(1, 1, 1))
         with host_syncs.recording_host_reads() as reads:
             out = generate(model, drafter, prompt, max_new_tokens=new_tokens, lookup=False, fallback=False)
         assert out.token_ids == reference[:new_tokens]
@@ -220,17 +221,12 @@ def test_replay_drafter_makes_every_step_accept_the_drawn_length():
     prompt = torch.randint(1, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     reference = hf_greedy(model, prompt, 16)
     continuation = torch.cat([prompt, torch.tensor(reference)])
-    drafter = engine_at_scale.ReplayDrafter(
-        continuation, depth=4, vocab_size=model.config.vocab_size, lengths=(0, 0, 1)
-    )
+    drafter = gpu_check.ReplayDrafter(continuation, depth=4, vocab_size=model.config.vocab_size, lengths=(0, 0, 1))
     out = generate(model, drafter, prompt, max_new_tokens=16, lookup=False, fallback=False)
     assert out.token_ids == reference
     # the prefill's token, then 5 steps of 2 accepted drafts and the target's own token
     assert out.stats.target_forwards == 6 and out.stats.accepted_to_depth == [5, 5, 0, 0]
-    assert (
-        engine_at_scale.expected_accepted((0, 0, 1), depth=4) == 2
-        and engine_at_scale.expected_accepted((0, 0, 1), depth=1) == 1
-    )
+    assert gpu_check.expected_accepted((0, 0, 1), depth=4) == 2 and gpu_check.expected_accepted((0, 0, 1), depth=1) == 1
 
 
 def test_sync_recorder_counts_sync_warnings_by_source_line():
