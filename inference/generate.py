@@ -65,7 +65,7 @@ def generate(
     prompt starts in its place.
     """
     sampling = Sampling(temperature, top_k, top_p)
-    _check_model(model)
+    check_model(model)
     warm_up(model, heads)  # a compiled model's packages not ready yet: built (and said so) or loaded now
     batch = _is_batch(prompt_or_input_ids)
     if batch and streamer is not None:
@@ -82,7 +82,7 @@ def generate(
     rows = len(ids) if batch_size is None else min(batch_size, len(ids))
     chosen = plan(model, heads, tree, lookup, fallback, batch=(len(ids), rows) if batch else None)
     generators = [torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None for _ in ids]
-    eos = to_device(_eos_ids(model), model.device)
+    eos = to_device(eos_ids(model), model.device)
     if streamer is not None:
         streamer.put(ids[0][None].cpu())
     with grouped_attention(model):  # the same attention, without copying keys and values for every query head
@@ -175,7 +175,7 @@ def with_defaults(heads, lookup: bool):
 TREE_ATTENTION = ("sdpa", "eager", GROUPED_SDPA)
 
 
-def _check_model(model) -> None:
+def check_model(model) -> None:
     """Refuse a model the loop cannot drive exactly: a kernel that ignores 4D masks, or no `cache` argument."""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in TREE_ATTENTION:
@@ -192,7 +192,7 @@ def _check_model(model) -> None:
         )
 
 
-def _eos_ids(model) -> list[int]:
+def eos_ids(model) -> list[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:
         return []

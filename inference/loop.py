@@ -7,12 +7,18 @@ trees at the same cache index (padded to the largest tree; a padding node sees o
 computed from nothing); each row's accepted path then moves to its own `cached[b]`, and the cache is cropped to the
 longest row. Rows that finish leave the batch and stop costing work; while prompts wait beyond the batch size, the
 next ones are prefilled and join it (their cache rows appended, padded with masked entries).
+
+The loop is driven a step at a time: `start` makes the state, `add` queues a prompt (its own max_new_tokens,
+sampling, generator and a callback receiving its tokens as they are committed), `step` decodes one step (admitting
+waiting prompts first) and a row whose `cancelled` is set leaves the batch at the next one. `decode` runs a list of
+prompts to the end that way; a server (inference.serve) adds prompts between steps as they arrive.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,23 +42,37 @@ from .tree import (
     verifiable_trees,
 )
 
+# a row's callback: the tokens it just committed, and whether it is done
+TokenCallback = Callable[[list[int], bool], None]
 
-@dataclass
+
+@dataclass(eq=False)  # a row is itself: compared by identity
 class Row:
     """One prompt's sequence: its text (prompt, then new tokens) in a buffer of its final size, filled to `length`,
-    on the device and, read back with each step's outcome, on the host."""
+    on the device and, read back with each step's outcome, on the host; and how it decodes."""
 
     text: torch.Tensor
     host_text: np.ndarray
     length: int
     prompt_length: int
+    max_new_tokens: int
+    sampling: Sampling
     generator: torch.Generator | None
+    on_tokens: TokenCallback | None = None  # called in the decoding thread as the row commits tokens
     stats: GenerationStats = field(default_factory=GenerationStats)
     cached: int = 0  # entries of its committed tokens (all but the last) in the target's cache
+    started: float = field(default_factory=time.perf_counter)  # when it was added: its stats' clock starts there
+    cancelled: bool = False  # set from any thread: the row leaves the batch (or the queue) at the next step
+    finish: str | None = None  # once done: "stop" (it committed an EOS) or "length" (max_new_tokens)
 
     @property
     def new_tokens(self) -> list[int]:
         return self.host_text[self.prompt_length : self.length].tolist()
+
+    @property
+    def budget(self) -> int:
+        """How many more tokens the row may commit."""
+        return self.max_new_tokens - (self.length - self.prompt_length)
 
 
 @dataclass
@@ -62,23 +82,37 @@ class Decoding:
     model: torch.nn.Module
     drafter: Drafter
     fallback: Fallback
-    sampling: Sampling
     eos: frozenset[int]
-    max_new_tokens: int
     batch_size: int
-    rows: list[Row]  # every prompt's, in the prompts' order
-    waiting: list[int]  # prompts not started yet, in order
-    streamer: object = None  # one prompt only: receives the tokens as they are committed
-    active: list[int] = field(default_factory=list)  # the rows decoding, in the cache's row order
+    waiting: list[Row] = field(default_factory=list)  # rows not started yet, in order
+    active: list[Row] = field(default_factory=list)  # the rows decoding, in the cache's row order
     cache: object = None
     to_observe: tuple[list, list] = field(
         default_factory=lambda: ([], [])
-    )  # hidden states and committed tokens the drafter has not seen yet
-    started: float = field(default_factory=time.perf_counter)
+    )  # hidden states and committed tokens the drafter has not seen yet, one of each for every active row
 
-    def budget(self, row: Row) -> int:
-        """How many more tokens the row may commit."""
-        return self.max_new_tokens - (row.length - row.prompt_length)
+
+def start(model, drafter: Drafter, eos: Iterable[int], fallback: Fallback, batch_size: int) -> Decoding:
+    """A loop with no rows yet, decoding at most `batch_size` rows at once."""
+    return Decoding(model, drafter, fallback, frozenset(int(token) for token in eos), batch_size)
+
+
+def add(
+    state: Decoding,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
+    on_tokens: TokenCallback | None = None,
+) -> Row:
+    """Queue a prompt (1-D token ids, checked by the caller): it joins the batch at the next step with room."""
+    text = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
+    text[: prompt.shape[0]] = prompt
+    host_text = np.empty(text.shape[0], dtype=np.int64)
+    host_text[: prompt.shape[0]] = prompt.cpu().numpy()
+    row = Row(text, host_text, prompt.shape[0], prompt.shape[0], max_new_tokens, sampling, generator, on_tokens)
+    state.waiting.append(row)
+    return row
 
 
 def decode(
@@ -93,42 +127,52 @@ def decode(
     batch_size: int,
     streamer=None,
 ) -> list[Row]:
-    """Decode every prompt (1-D token ids), at most `batch_size` at once; returns their rows, in order."""
-    rows = []
-    for prompt, generator in zip(prompts, generators, strict=True):
-        text = torch.empty(prompt.shape[0] + max_new_tokens, dtype=torch.long, device=prompt.device)
-        text[: prompt.shape[0]] = prompt
-        host_text = np.empty(text.shape[0], dtype=np.int64)
-        host_text[: prompt.shape[0]] = prompt.cpu().numpy()
-        rows.append(Row(text, host_text, prompt.shape[0], prompt.shape[0], generator))
-    stops = frozenset(eos.tolist())
-    state = Decoding(
-        model, drafter, fallback, sampling, stops, max_new_tokens, batch_size, rows, list(range(len(rows))), streamer
-    )
-    drafter.reset(0)
-    while True:
-        admit(state)
-        if not state.active:
-            return rows
-        step_started = time.perf_counter()  # a step's time includes the drafter reading the last step's tokens
-        observe(state)
-        drafting = state.fallback.use_drafter()
-        if drafting:
-            trees, checks = draft(state)
-        else:
-            trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in _active(state)]
-            checks = []
-        out = verify(state, trees)
-        tokens_before = sum(row.length for row in _active(state))
-        going = accept_step(state, trees, out, drafting, checks)
-        # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
-        committed = (sum(row.length for row in _active(state)) - tokens_before) / len(state.active)
-        state.fallback.record(drafting, committed, time.perf_counter() - step_started)
+    """Decode every prompt (1-D token ids), at most `batch_size` at once; returns their rows, in order. A streamer
+    (one prompt) receives the tokens as they are committed."""
+    state = start(model, drafter, eos.tolist(), fallback, batch_size)
+    on_tokens = None if streamer is None else lambda tokens, done: streamer.put(torch.tensor(tokens))
+    rows = [
+        add(state, prompt, max_new_tokens, sampling, generator, on_tokens)
+        for prompt, generator in zip(prompts, generators, strict=True)
+    ]
+    while step(state):
+        pass
+    return rows
+
+
+def step(state: Decoding) -> bool:
+    """One step: cancelled rows leave, waiting prompts join while there is room, then every active row drafts, ONE
+    target pass verifies them all, and each commits what it accepted. False when no row was left to decode."""
+    drop_cancelled(state)
+    admit(state)
+    if not state.active:
+        return False
+    step_started = time.perf_counter()  # a step's time includes the drafter reading the last step's tokens
+    observe(state)
+    drafting = state.fallback.use_drafter()
+    if drafting:
+        trees, checks = draft(state)
+    else:
+        trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in state.active]
+        checks = []
+    out = verify(state, trees)
+    tokens_before = sum(row.length for row in state.active)
+    going = accept_step(state, trees, out, drafting, checks)
+    # tokens a row: a batch that shrank as rows finished is judged by its rows' pace, not by its fewer tokens
+    committed = (sum(row.length for row in state.active) - tokens_before) / len(state.active)
+    state.fallback.record(drafting, committed, time.perf_counter() - step_started)
+    retire(state, going)
+    return True
+
+
+def drop_cancelled(state: Decoding) -> None:
+    """Rows cancelled since the last step leave the queue, the batch, the cache and the drafter."""
+    state.waiting = [row for row in state.waiting if not row.cancelled]
+    going = [slot for slot, row in enumerate(state.active) if not row.cancelled]
+    if len(going) < len(state.active):
+        hidden, tokens = state.to_observe
+        state.to_observe = ([hidden[slot] for slot in going], [tokens[slot] for slot in going])
         retire(state, going)
-
-
-def _active(state: Decoding) -> list[Row]:
-    return [state.rows[index] for index in state.active]
 
 
 def first_stop(tokens: list[int], eos: frozenset[int]) -> int | None:
@@ -140,14 +184,18 @@ def commit(state: Decoding, row: Row, new: torch.Tensor, host_new: list[int]) ->
     """Append accepted tokens (`new` on the device, `host_new` the same read back), cut after the first EOS as
     model.generate() stops there, and at most max_new_tokens in all; True when the row is done."""
     stop = first_stop(host_new, state.eos)
-    count = min(len(host_new) if stop is None else stop + 1, state.budget(row))
+    count = min(len(host_new) if stop is None else stop + 1, row.budget)
     row.text[row.length : row.length + count] = new[:count]
     row.host_text[row.length : row.length + count] = host_new[:count]
     row.length += count
-    if state.streamer is not None:
-        state.streamer.put(torch.tensor(host_new[:count]))
-    row.stats.seconds = time.perf_counter() - state.started
-    return stop is not None or state.budget(row) <= 0
+    row.stats.seconds = time.perf_counter() - row.started
+    if stop is not None and stop < count:
+        row.finish = "stop"
+    elif row.budget <= 0:
+        row.finish = "length"
+    if row.on_tokens is not None:
+        row.on_tokens(host_new[:count], row.finish is not None)
+    return row.finish is not None
 
 
 def admit(state: Decoding) -> None:
@@ -155,8 +203,7 @@ def admit(state: Decoding) -> None:
     add those that go on to the batch (their cache rows, and the drafter's)."""
     while state.waiting and len(state.active) < state.batch_size:
         room = state.batch_size - len(state.active)
-        joining, state.waiting = state.waiting[:room], state.waiting[room:]
-        rows = [state.rows[index] for index in joining]
+        rows, state.waiting = state.waiting[:room], state.waiting[room:]
         started = time.perf_counter()
         cache, last_logits, hidden = prefill(state.model, [row.text[: row.length] for row in rows], state.drafter)
         spent = time.perf_counter() - started
@@ -164,10 +211,10 @@ def admit(state: Decoding) -> None:
         for slot, row in enumerate(rows):
             row.stats.target_seconds += spent
             row.stats.target_forwards += 1
-            first = target_tokens(last_logits[slot][None], state.sampling, row.generator)
+            first = target_tokens(last_logits[slot][None], row.sampling, row.generator)
+            row.stats.time_to_first_token = time.perf_counter() - row.started
             if not commit(state, row, first, first.tolist()):
                 going.append(slot)
-            row.stats.time_to_first_token = time.perf_counter() - state.started
         if not going:  # every one of them ended at its first token
             continue
         if len(going) < len(rows):
@@ -175,13 +222,14 @@ def admit(state: Decoding) -> None:
             cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
         if state.active:
             append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
-        else:
+        else:  # the batch starts afresh: a new cache, and a drafter with no rows
             state.cache = cache
+            state.drafter.reset(0)
         for slot in going:
             rows[slot].cached = rows[slot].prompt_length
             state.to_observe[0].append(hidden[slot])
             state.to_observe[1].append(rows[slot].text[1 : rows[slot].length])
-        state.active += [joining[slot] for slot in going]
+        state.active += [rows[slot] for slot in going]
         _timed(state, state.drafter.add_rows, len(going))
         state.fallback.prompt_joined()
 
@@ -272,8 +320,8 @@ def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
     token after the deepest accepted draft), and the checks still to read back: a tree built on the host
     (Tree.from_lists) is checked there, a chain's checks are read with the step's outcome (one host read a step), a
     branching tree's before its pass (a repeated sibling is dropped first)."""
-    rows = _active(state)
-    depths = [state.budget(row) - 1 for row in rows]
+    rows = state.active
+    depths = [row.budget - 1 for row in rows]
     texts, host_texts = [row.text[: row.length] for row in rows], [row.host_text[: row.length] for row in rows]
     proposed = _timed(state, state.drafter.propose_rows, texts, depths, host_texts)
     name, vocab = drafter_name(state.drafter), state.model.config.vocab_size
@@ -300,7 +348,7 @@ def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
 
 def verify(state: Decoding, trees: list[Tree]):
     """ONE target pass over every row's tree: each node sees its row's committed past and its own ancestors."""
-    rows = _active(state)
+    rows = state.active
     ids, positions, mask = tree_inputs(
         trees, [row.cached for row in rows], state.cache.get_seq_length(), 0, state.model.dtype
     )
@@ -350,14 +398,15 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
 
     The step's one host read: every row's accepted depth and new tokens (and the deferred checks of proposed chains),
     read back together; on a GPU each read waits for the device."""
-    rows = _active(state)
-    greedy = greedy_tokens(out.logits) if state.sampling.greedy else None  # [B, N]: one argmax for all rows
+    rows = state.active
+    # [B, N]: one argmax for all rows, when any row decodes greedily
+    greedy = greedy_tokens(out.logits) if any(row.sampling.greedy for row in rows) else None
     outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
-        if greedy is not None:
+        if row.sampling.greedy:
             order, deepest, new = accept_chosen(tree, greedy[slot, : tree.size])
         else:
-            order, deepest, new = accept(tree, out.logits[slot, : tree.size], state.sampling, row.generator)
+            order, deepest, new = accept(tree, out.logits[slot, : tree.size], row.sampling, row.generator)
         outcomes.append((order, new))
         # its accepted depth and deepest node, and the new tokens (the accepted path's, then the target's own)
         reads += [torch.stack([tree.depth[deepest], deepest]), new[: tree.max_depth + 1]]
@@ -399,10 +448,10 @@ def retire(state: Decoding, going: list[int]) -> None:
     state.active = [state.active[slot] for slot in going]
     if going:
         keep_rows(state.cache, to_device(going, state.cache.layers[0].keys.device))
-        state.cache.crop(max(row.cached for row in _active(state)) - state.cache.get_seq_length())
+        state.cache.crop(max(row.cached for row in state.active) - state.cache.get_seq_length())
         _timed(state, state.drafter.keep_rows, going)
-    elif state.waiting:  # every row finished: the prompts waiting start afresh, with a new cache and drafter state
-        state.drafter.reset(0)
+    else:  # every row finished: the prompts still to come start afresh (admit), with a new cache and drafter state
+        state.cache = None
 
 
 def _timed(state: Decoding, work, *args):
@@ -410,6 +459,6 @@ def _timed(state: Decoding, work, *args):
     started = time.perf_counter()
     result = work(*args)
     spent = time.perf_counter() - started
-    for row in _active(state):
+    for row in state.active:
         row.stats.draft_seconds += spent
     return result
