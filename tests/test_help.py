@@ -14,6 +14,7 @@ MODULES = [
     "inference.calibrate",
     "inference.compile",
     "inference.convert",
+    "inference.serve.__main__",
     "training.train_heads",
     "training.distill",
 ]

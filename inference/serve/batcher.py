@@ -1,0 +1,167 @@
+"""Continuous batching over arriving requests: ONE thread runs the decode loop (inference.loop) a step at a time.
+
+Between two steps it moves the requests that arrived into the loop's queue (`loop.add`); the loop admits them into
+free rows at the next step, and a row leaves the batch when it ends or when its request is cancelled (a client that
+went away, a stop string). Each row's committed tokens go to its request's asyncio queue through the event loop that
+made it. Requests beyond the batch's rows wait, at most `queue_size` of them: `submit` refuses one more (QueueFull,
+a 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from heads.attention import grouped_attention
+
+from .. import loop
+from ..accept import Sampling
+from ..generate import Plan
+from .metrics import Metrics
+
+log = logging.getLogger("inference.serve")
+
+
+class QueueFull(Exception):
+    """No room in the queue of requests waiting for a row."""
+
+
+class Stopped(Exception):
+    """The server is shutting down (or its decoding thread has ended): it takes no more requests."""
+
+
+class DecodingFailed(Exception):
+    """Decoding the batch raised: the requests in it end with this (the traceback is in the server's log)."""
+
+
+@dataclass
+class Job:
+    """One request as the decoding thread sees it. `events` receives (tokens, done) as the row commits tokens, or the
+    exception that ended its decoding; `row` is set once the request is in the loop's queue."""
+
+    prompt: torch.Tensor
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int | None
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.perf_counter)
+    row: loop.Row | None = None
+    cancelled: bool = False
+
+    def put(self, item) -> None:
+        """Hand `item` to the request's event loop (from the decoding thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is left to read the item
+            log.debug("a request's event loop closed before its answer ended")
+
+
+class Batcher:
+    """The decoding thread and the requests it serves; `start`, `submit`, `cancel`, `stop`."""
+
+    def __init__(self, model, plan: Plan, eos: list[int], batch_size: int, queue_size: int, metrics: Metrics):
+        self.model, self.plan, self.eos, self.batch_size, self.queue_size = model, plan, eos, batch_size, queue_size
+        self.metrics = metrics
+        self.state = loop.start(model, plan.drafter, eos, plan.fallback, batch_size)
+        self.lock = threading.Condition()
+        self.inbox: list[Job] = []  # submitted, not yet in the loop's queue
+        self.jobs: dict[int, Job] = {}  # id(job) -> job, for the requests in the loop (changed under the lock)
+        self.stopping = False
+        self.thread = threading.Thread(target=self.run, name="specheads-decode", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopping
+
+    def waiting(self) -> int:
+        """Requests that would find no row at the next step."""
+        return max(0, len(self.inbox) + len(self.jobs) - self.batch_size)
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if not self.alive:
+                raise Stopped("the server is shutting down and takes no more requests")
+            if self.waiting() >= self.queue_size:
+                raise QueueFull(
+                    f"the server is busy: its {self.batch_size} rows decode and {self.waiting()} requests wait for "
+                    f"one (--queue-size {self.queue_size}); retry later"
+                )
+            self.inbox.append(job)
+            self.lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The request's row leaves the batch (or the queue) at the next step; its tokens are not wanted any more."""
+        with self.lock:
+            job.cancelled = True
+            if job.row is not None:
+                job.row.cancelled = True
+            self.lock.notify()
+
+    def stop(self) -> None:
+        """End the decoding thread after its current step; the requests still in it end with Stopped."""
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def run(self) -> None:
+        try:
+            with torch.inference_mode(), grouped_attention(self.model):
+                while self.take_arrivals():
+                    try:
+                        loop.step(self.state)
+                    except Exception as error:  # a fault in decoding ends the requests in the batch, not the server
+                        log.exception("decoding failed; the requests decoding end with an error, the server goes on")
+                        self.fail_all(DecodingFailed(f"decoding failed: {type(error).__name__}: {error}"))
+                    self.metrics.step(len(self.state.active), self.waiting())
+        finally:  # stopped, or the thread itself failed (its traceback follows): no request is left waiting
+            self.stopping = True
+            self.fail_all(Stopped("the server's decoding thread ended before this request did"))
+
+    def take_arrivals(self) -> bool:
+        """Wait for work, then queue the requests that arrived in the loop; False when the server stops."""
+        with self.lock:
+            while not (self.inbox or self.state.waiting or self.state.active or self.stopping):
+                self.lock.wait()
+            if self.stopping:
+                return False
+            for job in self.inbox:
+                if not job.cancelled:
+                    self.add(job)
+            self.inbox.clear()
+            self.jobs = {key: job for key, job in self.jobs.items() if not job.cancelled}
+            return True
+
+    def add(self, job: Job) -> None:
+        generator = None
+        if job.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(job.seed)
+
+        def on_tokens(tokens: list[int], done: bool) -> None:
+            job.put((tokens, done))
+            if done:
+                with self.lock:
+                    self.jobs.pop(id(job), None)
+
+        prompt = job.prompt.to(self.model.device)
+        job.row = loop.add(self.state, prompt, job.max_new_tokens, job.sampling, generator, on_tokens)
+        self.jobs[id(job)] = job
+
+    def fail_all(self, error: Exception) -> None:
+        """Every request in the loop ends with `error`; the loop starts afresh (its cache and drafter rows with it)."""
+        with self.lock:
+            for job in [*self.jobs.values(), *self.inbox]:
+                job.put(error)
+            self.jobs.clear()
+            self.inbox.clear()
+            self.state = loop.start(self.model, self.plan.drafter, self.eos, self.plan.fallback, self.batch_size)
