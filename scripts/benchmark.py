@@ -11,8 +11,8 @@ merged, the fallback on, whatever --tree, --no-fallback and --no-context-vocab s
 plain decoding where drafting does not pay (--no-fallback: never). Every method is given the baseline's earlier
 answers, so all see identical prompts. Reports per category: tokens/s, speedup over the baseline, tau (new tokens
 per target pass), outputs identical to the baseline's (each divergence's near-tie proven or not), our loop's latency
-and acceptance by draft depth: OUT.json, OUT.md, OUT.png. --batch-sizes measures throughput instead; --merge joins
-the results of one run's shards.
+and acceptance by draft depth: OUT.json, OUT.md. --batch-sizes measures throughput instead; --merge joins the
+results of one run's shards.
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ from common import (
     hf_method,
     interleaved,
     load,
-    load_head_or_exit,
     our_method,
     parser,
     pick,
     positive,
-    pyplot,
     read_questions,
     shard,
     table,
@@ -65,9 +63,8 @@ def load_method_heads(args, model) -> dict:
         if any(method.startswith(kind) for method in args.methods):
             spec = getattr(args, kind.replace("-", "_"))
             if not spec:
-                number = " (or an exit layer number: the untrained exit)" if kind == "early-exit" else ""
-                raise SystemExit(f"the {kind} methods need --{kind} CHECKPOINT_DIR{number}")
-            heads[kind] = load_head_or_exit(spec, model) if kind == "early-exit" else load_heads(spec, model)
+                raise SystemExit(f"the {kind} methods need --{kind} CHECKPOINT_DIR")
+            heads[kind] = load_heads(spec, model)
     return heads
 
 
@@ -179,28 +176,8 @@ def monitoring(records: list[dict], methods: list[str]) -> str:
     return "\n" + table(columns, rows) if rows else ""
 
 
-def chart(summary: dict, methods: list[str], path: Path) -> None:
-    plt = pyplot()
-    names = categories(summary)
-    # without the baseline there is no speedup, and tau (new tokens per target pass) is what the machine does not change
-    key = "speedup" if "hf" in methods else "tau" if all(summary["overall"][m]["tau"] for m in methods) else None
-    key = key or "tokens_per_second"
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4))
-    width = 0.8 / len(methods)
-    for i, m in enumerate(methods):
-        ax.bar([x + i * width for x in range(len(names))], [summary[c][m][key] or 0 for c in names], width, label=m)
-    labels = [c.replace("mt_bench/", "mt-") for c in names]
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], labels, rotation=30, ha="right")
-    ax.set_ylabel({"speedup": "speedup over HF greedy", "tau": "tau (new tokens per target pass)"}.get(key, "tokens/s"))
-    if key == "speedup":
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def write_result(out: str | None, result: dict, methods: list[str]) -> None:
-    """Print the tables; with `out`, write OUT.json (everything), OUT.md (the tables) and OUT.png (the chart)."""
+    """Print the tables; with `out`, write OUT.json (everything) and OUT.md (the tables)."""
     summary = result["summary"]
     found = {m: summary["overall"][m]["divergences"] for m in methods}
     tables = markdown(summary, methods) + divergence_note(found) + monitoring(result["records"], methods)
@@ -211,8 +188,7 @@ def write_result(out: str | None, result: dict, methods: list[str]) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         out.with_suffix(".md").write_text(text)
-        chart(summary, methods, out.with_suffix(".png"))
-        print(f"wrote {out.with_suffix('.json')}, .md and .png")
+        print(f"wrote {out.with_suffix('.json')} and .md")
 
 
 def merge_shards(paths: list[str], out: str | None) -> None:
@@ -307,7 +283,7 @@ def arguments(argv):
     p.add_argument("--methods", nargs="+", default=["hf", "hf-lookup", "eagle", "eagle+lookup"], choices=METHODS)
     p.add_argument("--eagle", help="EAGLE head checkpoint directory")
     p.add_argument("--medusa", help="Medusa heads checkpoint directory")
-    p.add_argument("--early-exit", help="early-exit head checkpoint directory, or an exit layer (the untrained exit)")
+    p.add_argument("--early-exit", help="early-exit head checkpoint directory")
     p.add_argument("--depth", type=positive, help="fixed trees' depth (default: EAGLE, early exit 5; Medusa: heads)")
     p.add_argument("--top-k", type=positive, help="fixed trees' width a level (default: EAGLE, early exit 4)")
     p.add_argument("--nodes", type=positive, default=15, help="at most this many draft nodes (the root on top)")
@@ -321,7 +297,7 @@ def arguments(argv):
     p.add_argument("--compile", action="store_true", help="our methods' passes compiled; HF generate() stays eager")
     p.add_argument("--dtype", default="float32", help="float32 (default, exact), bfloat16, or auto")
     p.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
-    p.add_argument("--out", help="write OUT.json, OUT.md and OUT.png")
+    p.add_argument("--out", help="write OUT.json and OUT.md")
     p.add_argument("--batch-sizes", type=positive, nargs="+", help="throughput instead: first turns in batches")
     p.add_argument("--reference-rows", type=positive, default=4, help="--batch-sizes: rows compared with HF alone")
     p.add_argument("--rounds", type=positive, default=1, help="--batch-sizes: how often every method decodes them all")

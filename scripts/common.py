@@ -21,7 +21,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the scripts run without installing the project: they import this module first
 
-from heads import EarlyExitConfig, EarlyExitHead, load_heads  # noqa: E402
+from heads import load_heads  # noqa: E402
 from inference import generate, load_target  # noqa: E402
 from inference.calibrate import device_name  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
@@ -113,14 +113,6 @@ def command(script: str, argv: list[str] | None) -> str:
 
 
 # --- the target, its heads and HF's baseline ---------------------------------------------------------------------
-
-
-def load_head_or_exit(spec: str, model):
-    """A head checkpoint directory, or a bare layer number: the target's untrained early exit after that many layers."""
-    if spec.isdigit():
-        config = EarlyExitConfig.for_target(model.config, exit_layer=int(spec), lora_rank=None)
-        return EarlyExitHead(config, model).eval()
-    return load_heads(spec, model)
 
 
 def load(model: str | None = None, *heads: str, **options) -> tuple:

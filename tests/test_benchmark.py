@@ -53,9 +53,7 @@ def test_benchmark_runs_methods_side_by_side_and_writes_reports(tiny_chat, tmp_p
     assert summary["overall"]["lookup"]["identical"] == 1.0  # our drafter never changes the output
     assert summary["overall"]["hf"]["turns"] == 3 and summary["overall"]["lookup"]["tau"] >= 1.0
     assert [r["turn"] for r in report["records"]] == [0, 1, 0]
-    assert (
-        out.with_suffix(".png").stat().st_size > 1000 and "| overall (3 turns) |" in out.with_suffix(".md").read_text()
-    )
+    assert "| overall (3 turns) |" in out.with_suffix(".md").read_text()
 
 
 def test_batch_throughput_puts_every_method_beside_hf_batched(tiny_chat, tmp_path):
@@ -170,9 +168,7 @@ def test_merge_puts_a_runs_shards_together_into_the_whole_runs_figures(tiny_chat
         assert merged_run["summary"][category]["eagle"]["tau"] == pytest.approx(
             whole_run["summary"][category]["eagle"]["tau"]
         )
-    assert (tmp_path / "merged.md").read_text().count("Command: `python scripts/benchmark.py") == 3 and (
-        tmp_path / "merged.png"
-    ).is_file()
+    assert (tmp_path / "merged.md").read_text().count("Command: `python scripts/benchmark.py") == 3
     with pytest.raises(SystemExit, match=r"every shard of one run once \(0/3 .. 2/3\), got 0/3, 1/3"):
         benchmark.main(["--merge", *map(str, parts[:2]), "--out", str(tmp_path / "refused")])
     other = json.loads(parts[2].read_text())
