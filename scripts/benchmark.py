@@ -135,10 +135,6 @@ def summarise(records: list[dict], methods: list[str]) -> dict:
     return summary
 
 
-def categories(summary: dict) -> list[str]:
-    return sorted(summary, key=lambda c: (c == "overall", c))
-
-
 def markdown(summary: dict, methods: list[str]) -> str:
     def cell(method: str, s: dict) -> str:
         parts = [f"{s['tokens_per_second']:.1f} tok/s"]
@@ -149,7 +145,7 @@ def markdown(summary: dict, methods: list[str]) -> str:
 
     rows = [
         [f"{c} ({summary[c][methods[0]]['turns']} turns)", *(cell(m, summary[c][m]) for m in methods)]
-        for c in categories(summary)
+        for c in sorted(summary, key=lambda c: (c == "overall", c))  # overall last
     ]
     return table(["category", *methods], rows)
 
@@ -242,7 +238,7 @@ def batch_throughput(args, argv) -> None:
     heads = load_method_heads(args, model)
     warm_up(model, list(heads.values()))  # every package, so that every pass runs as it will
     runs = our_settings(args, heads, model)
-    questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
+    questions = pick(read_questions(args.questions), args.per_category, None, args.shard)
     prompts = [prompt.tolist() for prompt in first_turns(tokenizer, questions)]
     alone = [hf_greedy(model, prompt, args.max_new_tokens) for prompt in prompts[: args.reference_rows]]
     # Untimed: a process's first decoding of these prompts ran ~8% slower than the same one again (Xeon, batch 8),
@@ -290,7 +286,6 @@ def arguments(argv):
     p.add_argument("--tree", choices=["calibrated", "fixed"], default="calibrated", help="fixed: always --nodes")
     p.add_argument("--no-fallback", action="store_true", help="our methods draft at every step, even where slower")
     p.add_argument("--no-context-vocab", action="store_true", help="heads draft their own vocabulary only (fixed tree)")
-    p.add_argument("--limit", type=positive, help="at most this many questions")
     p.add_argument("--per-category", type=positive, help="the first N questions of each category")
     p.add_argument("--shard", type=shard, metavar="K/N", help="answer every N-th question from the K-th (0-based)")
     p.add_argument("--max-new-tokens", type=positive, default=128)
@@ -320,7 +315,7 @@ def main(argv=None):
     heads = load_method_heads(args, model)
     compile_seconds = warm_up(model, list(heads.values()))
     methods = build_methods(args, model, heads)
-    questions = pick(read_questions(args.questions), args.per_category, args.limit, args.shard)
+    questions = pick(read_questions(args.questions), args.per_category, None, args.shard)
     time_each(methods, chat_prompt(tokenizer, ["Hello"])[:16])  # warm-up, outside the measurement
 
     records = []

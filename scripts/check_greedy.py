@@ -3,13 +3,11 @@
     python scripts/check_greedy.py docs/results/dev-all-eagle-corpus2800-fp32-epyc.json
 
 For every turn and method of a `scripts/benchmark.py` record (its .json), the prompt is rebuilt as the benchmark
-built it (the question's turns, the first method's earlier answers), the target runs once over prompt + answer,
-and every answer token must be the target's argmax at its position; the answer must stop where greedy stops (at
-the first end-of-sequence token, or after max_new_tokens). That costs one pass a turn, where running HF
-`generate()` beside the method costs one pass a token. Run it in the dtype the record was made in (float32 for
-an exactness claim). A teacher-forced pass rounds a little differently from one-token passes, so each mismatch is
-reported with its logit gap (one of ~1e-5 in float32 would be rounding, not a wrong token), and so is the smallest
-gap between the two top logits along all answers. Exits 1 when any turn fails.
+built it, the target runs once over prompt + answer, and every answer token must be the target's argmax at its
+position; the answer must stop where greedy stops (the first end-of-sequence token, or max_new_tokens). Run it in
+the record's dtype (float32 for an exactness claim). A teacher-forced pass rounds a little unlike one-token passes,
+so each mismatch comes with its logit gap (~1e-5 in float32 would be rounding), and so does the smallest top-two gap
+along all answers. Exits 1 when any turn fails.
 """
 
 from __future__ import annotations
@@ -38,11 +36,8 @@ def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], 
     mismatches = [{"position": p, "gap": float(top2.values[p, 0] - logits[p, answer[p]])} for p in wrong]
     early_eos = any(t in eos for t in answer[:-1])
     stops_right = not early_eos and (answer[-1] in eos or len(answer) == max_new_tokens)
-    return {
-        "mismatches": mismatches,
-        "min_gap": float((top2.values[:, 0] - top2.values[:, 1]).min()),
-        "stops_right": stops_right,
-    }
+    gaps = top2.values[:, 0] - top2.values[:, 1]
+    return {"mismatches": mismatches, "min_gap": float(gaps.min()), "stops_right": stops_right}
 
 
 def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:

@@ -116,8 +116,7 @@ def command(script: str, argv: list[str] | None) -> str:
 
 
 def load(model: str | None = None, *heads: str, **options) -> tuple:
-    """(target, tokenizer, each of `heads` loaded for it): inference.load_target(model, **options), model None being
-    the embedded SmolLM2-135M-Instruct."""
+    """(target, tokenizer, each of `heads` loaded for it) from inference.load_target(model, **options)."""
     target, tokenizer = load_target(model, **options)
     return target, tokenizer, *(load_heads(path, target) for path in heads)
 
@@ -128,16 +127,13 @@ def eos_ids(model) -> set[int]:
 
 
 def hf_batch(model, prompts: list[list[int]], max_new_tokens: int, **options) -> list[list[int]]:
-    """HF greedy generate() on a left-padded batch; each row's tokens up to its first EOS (the padding after it
-    dropped)."""
+    """HF greedy generate() on a left-padded batch: each row's tokens up to its first EOS, the padding after dropped."""
     width, pad = max(map(len, prompts)), model.generation_config.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, **options)
-    eos, rows = eos_ids(model), []
-    for row in out[:, width:].tolist():
-        rows.append(row[: next((i + 1 for i, token in enumerate(row) if token in eos), len(row))])
-    return rows
+    eos = eos_ids(model)
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out[:, width:].tolist()]
 
 
 def hf_greedy(model, prompt: torch.Tensor | list[int], max_new_tokens: int, **options) -> list[int]:
@@ -220,12 +216,11 @@ class Tally:
     tokens: int = 0
     seconds: float = 0.0
     forwards: int = 0
-    runs: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, run: Run, seconds: float) -> None:
         self.tokens += sum(map(len, run.outputs))
-        self.seconds, self.forwards, self.runs = self.seconds + seconds, self.forwards + run.forwards, self.runs + 1
+        self.seconds, self.forwards = self.seconds + seconds, self.forwards + run.forwards
         self.outputs += run.outputs
 
     @property

@@ -6,26 +6,23 @@ held-out prompts, and write it into the checkpoint's config.json.
     python scripts/fit_acceptance_map.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
 
 The head decodes each question's first turn greedily with a fixed dynamic tree and its own scores; every step's grown
-drafts (a few hundred) are kept and, once the answer is written, marked by whether the target wrote their path. The
-map is fitted on the drafts whose parent the target wrote (logistic regression), and the recorded steps are
-replayed to compare the tree the old and the new scores would have verified (the drafts each would have got
-accepted: the same steps, so an estimate; the benchmark measures the real thing). Use prompts the head did not
-train on, not the dev set. Works for every head that grows dynamic trees (EAGLE, early exit, sequential Medusa).
+drafts are kept and marked by whether the target wrote their path. The map is fitted (logistic regression) on the
+drafts whose parent the target wrote; replaying the recorded steps estimates the drafts the old and the new scores
+would each have got accepted. Use prompts the head did not train on, not the dev set. For every head that grows
+dynamic trees (EAGLE, early exit, sequential Medusa); docs/training.md has more.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from common import command, first_turns, load, parser, read_questions
+from common import command, first_turns, load, parser, read_questions, table
 from heads.config import head_config_from_dict
-from heads.files import read_checkpoint_config
+from heads.files import read_checkpoint_config, written_atomically
 from inference import DynamicTreeSpec, generate
 from inference.acceptance_map import acceptance_log_probs, draft_outcomes, fit_weights, path_scores
 from inference.drafters import as_drafter
@@ -74,17 +71,12 @@ def accepted_drafts(steps: list, nodes: int, weights: list[float] | None) -> flo
 def map_table(local: torch.Tensor, accepted: torch.Tensor, weights: list[float]) -> str:
     """Markdown: by the head's probability, how often the target accepted, and what the map says."""
     edges = [0.0, 0.02, 0.14, 0.37, 0.61, 0.82, 0.95, 1.0001]
-    p = local.exp()
-    rows = ["| head's probability | drafts | head (mean) | target accepted | map (mean) |", "|---|---|---|---|---|"]
-    mapped = acceptance_log_probs(local, weights).exp()
+    p, mapped, rows = local.exp(), acceptance_log_probs(local, weights).exp(), []
     for low, high in zip(edges, edges[1:]):
-        inside = (p >= low) & (p < high)
-        if inside.any():
-            rows.append(
-                f"| {low:.2f}-{min(high, 1):.2f} | {int(inside.sum()):,} | {p[inside].mean():.3f} | "
-                f"{accepted[inside].double().mean():.3f} | {mapped[inside].mean():.3f} |"
-            )
-    return "\n".join(rows) + "\n"
+        if (inside := (p >= low) & (p < high)).any():
+            figures = (p[inside].mean(), accepted[inside].double().mean(), mapped[inside].mean())
+            rows.append([f"{low:.2f}-{min(high, 1):.2f}", f"{int(inside.sum()):,}", *(f"{x:.3f}" for x in figures)])
+    return table(["head's probability", "drafts", "head (mean)", "target accepted", "map (mean)"], rows)
 
 
 def write_weights(checkpoint: Path, weights: list[float]) -> None:
@@ -92,11 +84,8 @@ def write_weights(checkpoint: Path, weights: list[float]) -> None:
     config = read_checkpoint_config(checkpoint)
     config["head"]["acceptance_map"] = list(weights)
     head_config_from_dict(config["head"])  # refuse to write what load_heads would refuse to read
-    handle, staging = tempfile.mkstemp(prefix=".config.", suffix=".json", dir=checkpoint)
-    with os.fdopen(handle, "w") as file:
-        file.write(json.dumps(config, indent=2) + "\n")
-    os.chmod(staging, 0o644)
-    os.replace(staging, checkpoint / "config.json")
+    with written_atomically(checkpoint / "config.json") as staging:
+        staging.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv=None) -> None:
@@ -110,7 +99,6 @@ def main(argv=None) -> None:
     p.add_argument("--nodes", type=int, default=15, help="draft nodes the replay verifies a step")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--write", action="store_true", help="write the fitted map into CHECKPOINT/config.json")
-    p.add_argument("--out", default=None, help="write the report (markdown) here too")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     read_checkpoint_config(checkpoint)  # a clear error for a foreign or broken checkpoint, before the model loads
@@ -136,8 +124,6 @@ def main(argv=None) -> None:
         "the map's (the same steps: an estimate).\n"
     )
     print(report)
-    if args.out:
-        Path(args.out).write_text(report)
     if args.write:
         write_weights(checkpoint, weights)
         print(f"wrote head.acceptance_map into {checkpoint / 'config.json'}")

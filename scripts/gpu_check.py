@@ -3,14 +3,11 @@
     .venv/bin/python scripts/gpu_check.py            # on a GPU, about 8 minutes: docs/results/gpu-<card>.md
     .venv/bin/python scripts/gpu_check.py --dry-run  # the same code paths on the CPU, tiny random models
 
-Sections 1-4 are scripts/benchmark.py runs on the dev set's first question of each category: HF generate() against
-the default call with the shipped EAGLE and Medusa heads (and the EAGLE head's fixed tree, FIXED_TREE), in float32
-(outputs identical), in bfloat16 eager and compiled (each divergence a proven near-tie of the target), then batches
-of 1 and 8. 5: the engine at scale, a Llama-3.1-8B-shaped model with random weights driven by a drafter that replays
-a trained head's accepted lengths, against HF generate() on it, and where the loop's time goes. 6: host
-synchronisations per decode step (scripts/host_syncs.py). The dry run builds a tiny random Llama with the target's
-tokenizer and random heads, keeps calibrations and packages in a temporary folder, and asks two questions;
-tests/test_gpu_check.py runs it, so that the real run's code cannot rot between GPU sessions.
+Sections 1-4 are scripts/benchmark.py runs (RUNS) on the dev set's first question of each category: HF generate()
+against the default call with the shipped EAGLE and Medusa heads and a fixed tree, float32 (outputs identical),
+bfloat16 eager and compiled (divergences proven near-ties), batches. 5: a Llama-3.1-8B-shaped model with random
+weights driven by a drafter replaying a trained head's accepted lengths. 6: host synchronisations per decode step.
+The dry run saves a tiny random Llama (the target's tokenizer) and random heads; tests/test_gpu_check.py runs it.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ import random
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 from unittest import mock
@@ -61,6 +58,7 @@ HEAD_CHECKPOINTS = {
     "medusa": REPO / "checkpoints" / "smollm2-135m-instruct-medusa",
 }
 FIXED = DynamicTreeSpec(depth=5, top_k=8, nodes=15)  # the benchmark's `eagle` method, no lookup, no fallback
+ALONE = dict(lookup=False, fallback=False)  # a drafter alone: no prompt lookup merged, no plain steps
 FIXED_TREE = f"--tree fixed --depth {FIXED.depth} --top-k {FIXED.top_k} --nodes {FIXED.nodes} --no-fallback"
 RUNS = {  # sections 1-4: scripts/benchmark.py's options beside the target, heads, questions and output
     "1. Float32, eager": "--methods hf eagle-default medusa-default --dtype float32",
@@ -104,11 +102,11 @@ def tiny_checkpoints(folder: Path) -> tuple[Path, dict[str, Path]]:
     """The dry run's target, saved with the embedded target's tokenizer: a random Llama whose logits are spread
     enough that float32 argmaxes are never near-ties (tests/conftest.py's); and random heads for it, the EAGLE head
     like the shipped one (a low layer's features beside the last, a copy input and a draft vocabulary)."""
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer, target = AutoTokenizer.from_pretrained(default_model_dir()), folder / "target"
     eos = tokenizer.eos_token_id
     model = random_llama(TINY_SHAPE, "cpu", torch.float32, vocab=len(tokenizer), eos=eos, seed=0, init=0.15)
-    model.save_pretrained(folder / "target")
-    tokenizer.save_pretrained(folder / "target")
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
     torch.manual_seed(1)
     config = EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)
     eagle = EagleHead(config)
@@ -117,9 +115,7 @@ def tiny_checkpoints(folder: Path) -> tuple[Path, dict[str, Path]]:
     for parameter in medusa.parameters():
         torch.nn.init.normal_(parameter, std=0.05)  # not the zero init: candidates should vary
     heads = {"eagle": eagle.eval(), "medusa": medusa.eval()}
-    return folder / "target", {
-        kind: save_heads(h, folder / kind, model, dtype=torch.float32) for kind, h in heads.items()
-    }
+    return target, {kind: save_heads(h, folder / kind, model, dtype=torch.float32) for kind, h in heads.items()}
 
 
 # --- 5. the engine at scale --------------------------------------------------------------------------------------
@@ -152,18 +148,7 @@ def expected_accepted(lengths: Sequence[int], depth: int) -> float:
     return sum(min(n, depth) * count for n, count in enumerate(lengths)) / sum(lengths)
 
 
-@contextmanager
-def passes_synchronised(model) -> Iterator[None]:
-    """Each forward pass of `model` waits for the device before it returns, so that GenerationStats.target_seconds
-    holds the pass's device time rather than its launches (the loop waits at every step anyway)."""
-    handle = model.register_forward_hook(lambda module, inputs, output: synchronize())
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def replayed_run(model, prompt: torch.Tensor, reference: list[int], max_new_tokens: int, seed: int):
+def replayed_run(model, prompt: torch.Tensor, reference: list[int], limit: int, seed: int):
     """(our loop's output replaying accepted lengths on `prompt`, its seconds, runs, whether it reproduced what it
     replayed). A bfloat16 pass over a chain does not round like HF's one-token passes, so the loop may part from HF's
     continuation at a near-tie, after which every replayed "true" token would be wrong; the run is then repeated with
@@ -172,12 +157,12 @@ def replayed_run(model, prompt: torch.Tensor, reference: list[int], max_new_toke
     for runs in range(1, REPLAY_ROUNDS + 1):
         continuation = torch.cat([prompt, torch.tensor(truth, dtype=torch.long)]).to(model.device)
         drafter = ReplayDrafter(continuation, REPLAY_DEPTH, model.config.vocab_size, seed=seed)
-        with passes_synchronised(model):
-            out, seconds = timed(
-                lambda d=drafter: generate(
-                    model, d, prompt, max_new_tokens=max_new_tokens, lookup=False, fallback=False
-                )
-            )
+        # each target pass waits for the device, so that target_seconds holds its device time, not its launches
+        handle = model.register_forward_hook(lambda *_: synchronize())
+        try:
+            out, seconds = timed(lambda d=drafter: generate(model, d, prompt, max_new_tokens=limit, **ALONE))
+        finally:
+            handle.remove()
         if out.token_ids == truth:
             return out, seconds, runs, True
         truth = out.token_ids
@@ -219,16 +204,14 @@ def scale(args, device: torch.device) -> str:
         )
     ]
     return (
-        f"A Llama with {described}, random weights, built under `torch.device({str(device)!r})` in bfloat16 in "
-        f"{build_seconds:.0f} s. {count} prompts of about {length} random token ids, {limit} new tokens each (no "
-        f"EOS). HF greedy gives each prompt's continuation; a replay drafter drives our loop: a chain of "
-        f"{REPLAY_DEPTH} tokens a step, the first n the continuation's and the rest wrong, n drawn from "
-        "ACCEPTED_LENGTHS (the CPU stage-2 EAGLE head's through the default call in "
-        "docs/results/dev2-aoti-head-default-bf16-epyc: "
+        f"A Llama with {described}, random weights, bfloat16 on {device} (built in {build_seconds:.0f} s). {count} "
+        f"prompts of about {length} random token ids, {limit} new tokens each (no EOS). A replay drafter drives our "
+        f"loop: chains of {REPLAY_DEPTH} tokens whose first n are HF greedy's continuation, n drawn from "
+        "ACCEPTED_LENGTHS (the CPU stage-2 EAGLE head's default call in docs/results/dev2-aoti-head-default-bf16-epyc: "
         f"{1 + expected_accepted(ACCEPTED_LENGTHS, REPLAY_DEPTH):.2f} tokens a pass expected). The loop reproduced "
-        f"the continuation it replayed on {parts['reproduced']} of {count} prompts ({parts['runs'] / count:.1f} runs "
-        "a prompt, the last timed: a bfloat16 chain pass may part from HF's output at a near-tie); "
-        f"{parts['identical']} of {count} outputs identical to HF's.\n\n"
+        f"what it replayed on {parts['reproduced']} of {count} prompts ({parts['runs'] / count:.1f} runs a prompt, the "
+        f"last timed: a bfloat16 chain pass may part from HF at a near-tie); {parts['identical']} outputs identical "
+        "to HF's.\n\n"
         + table(["method", "tokens/s", "x HF generate()", "tau", "ms per new token"], speeds)
         + f"\nWhere our loop's time goes (GenerationStats over {parts['steps']} decode steps; a forward hook "
         "synchronises the device after each target pass, so that target_seconds holds the passes' device time):\n\n"
@@ -247,8 +230,8 @@ def syncs(args, device: torch.device, target: str | None, heads: dict[str, Path]
     recording, counted = recording_syncs if device.type == "cuda" else recording_host_reads, {}
     for name, drafter, settings in (
         ("default", head, {}),
-        ("plain", None, dict(lookup=False, fallback=False)),
-        ("fixed", head, dict(tree=FIXED, lookup=False, fallback=False)),
+        ("plain", None, ALONE),
+        ("fixed", head, dict(tree=FIXED, **ALONE)),
     ):
         with recording() as recorder:
             out = generate(model, drafter, prompt, max_new_tokens=limit, **settings)
@@ -316,14 +299,9 @@ def main(argv: list[str] | None = None) -> Path:
             target, heads = tiny_checkpoints(scratch)
             questions = scratch / "questions.jsonl"
             questions.write_text("".join(line + "\n" for line in DRY_RUN_QUESTIONS))
-        options = [
-            *(["--model", str(target)] if target else []),
-            "--questions",
-            str(questions),
-            "--device",
-            str(device),
-        ]
-        options += ["--eagle", str(heads["eagle"]), "--medusa", str(heads["medusa"]), *FIXED_TREE.split()]
+        options = ["--model", str(target)] if target else []
+        options += ["--questions", str(questions), "--device", str(device), *FIXED_TREE.split()]
+        options += ["--eagle", str(heads["eagle"]), "--medusa", str(heads["medusa"])]
         options += ["--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens)]
         for title, run in RUNS.items():
             name = scratch / title.split(".")[0]

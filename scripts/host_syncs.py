@@ -1,9 +1,6 @@
-"""Counting host synchronisations by source line, for scripts/gpu_check.py's last section.
-
-On CUDA, torch.cuda.set_sync_debug_mode("warn") warns at every synchronising call (recording_syncs). On any device,
-HostReadRecorder counts the calls that read a tensor's values back to Python, each of which synchronises a GPU
-(recording_host_reads), so that the CPU can stand in for one.
-"""
+"""Counting host synchronisations by source line (scripts/gpu_check.py's last section): on CUDA, the warnings of
+torch.cuda.set_sync_debug_mode("warn") (recording_syncs); on any device, the calls that read a tensor's values back to
+Python, each of which synchronises a GPU (recording_host_reads), so that the CPU can stand in for one."""
 
 from __future__ import annotations
 

@@ -7,17 +7,11 @@ task types nothing was tuned to, or long contexts.
     python scripts/questions.py long --tokens 1024 8000 --per-length 3 --out /tmp/long.jsonl
     python scripts/benchmark.py --questions /tmp/unseen.jsonl --methods eagle --eagle checkpoints/... --dtype float32
 
-heldout: a corpus recipe (`data.corpus`) trains on none of its first `data.eval_prompts` conversations (interleaved
-sources, so balanced): choose a tree shape on them, not on the dev set. The category is the prompt's source, the
-turns its prompt and follow-up. A recipe leaving whole sources out (`data.exclude_sources`) holds all their prompts
-out: `--source NAME --count N` writes that source's first N conversations. Takes `--data.key value` as training does.
-
-unseen: six task types neither the training prompts nor the dev set hold, over the standard library's module
-docstrings (no download; the same file every run of one Python version): to JSON, fixing typos put in, a topic
-label, an email, a quiz, a post of under 280 characters. One turn each, seeded.
-
-long: news articles of the questions file's summarization category packed into one prompt of about N tokens, then a
-request (rotating: summarise them all, the last one, their main points, what they share); category `long-<N>`.
+heldout: the first `data.eval_prompts` conversations of a corpus recipe (`data.corpus`), which it trains on none of:
+choose a tree shape on them, not on the dev set; `--source NAME --count N`, a source the recipe leaves out
+(`data.exclude_sources`). unseen: six task types neither the training prompts nor dev hold, over the standard
+library's module docstrings (the same file every run). long: the summarization articles packed into one prompt of
+about N tokens, then a request. docs/training.md has more.
 """
 
 from __future__ import annotations
@@ -33,9 +27,7 @@ from common import DEFAULT_QUESTIONS, chat_prompt, parser, positive, read_questi
 # --- heldout -----------------------------------------------------------------------------------------------------
 
 
-def heldout_questions(
-    prompts_path: str | Path, corpus: str | Path, count: int, source: str | None = None
-) -> list[dict]:
+def heldout_questions(prompts_path, corpus, count: int, source: str | None = None) -> list[dict]:
     """The corpus's first `count` conversations (of `source` only, when given), in corpus order."""
     from training.corpus import read_corpus
     from training.data import held_out_ids
@@ -212,7 +204,7 @@ def long(args) -> list[dict]:
 
     if min(args.tokens) < 64:
         raise SystemExit(f"every --tokens must be at least 64 (a chat template and a request), got {min(args.tokens)}")
-    tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())  # the embedded target's, which counts the tokens
     return long_questions(articles(read_questions(args.questions)), tokenizer, args.tokens, args.per_length)
 
 
@@ -225,10 +217,8 @@ def main(argv=None) -> None:
     held.add_argument("--count", type=positive, help="conversations to write (default: the recipe's data.eval_prompts)")
     unseen = kinds.add_parser("unseen", help="task types neither training nor dev holds")
     unseen.add_argument("--per-category", type=positive, default=6, help="questions a category (default 6)")
-    unseen.add_argument("--seed", type=int, default=0)
     packed = kinds.add_parser("long", help="articles packed into prompts of about N tokens")
     packed.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="a file with summarization questions")
-    packed.add_argument("--model", help="whose tokenizer counts tokens (default: the embedded target)")
     packed.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8000], help="prompt lengths")
     packed.add_argument("--per-length", type=positive, default=3)
     for kind in (held, unseen, packed):
@@ -239,7 +229,7 @@ def main(argv=None) -> None:
     if args.kind == "heldout":
         questions = heldout(args, overrides)
     else:
-        questions = unseen_questions(args.per_category, args.seed) if args.kind == "unseen" else long(args)
+        questions = unseen_questions(args.per_category) if args.kind == "unseen" else long(args)
     Path(args.out).write_text("".join(json.dumps(q) + "\n" for q in questions), encoding="utf-8")
     print(f"{len(questions)} {args.kind} questions in {len({q['category'] for q in questions})} categories: {args.out}")
 

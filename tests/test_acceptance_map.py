@@ -97,7 +97,7 @@ def test_a_head_with_a_map_scores_paths_by_the_map_and_stays_exact():
     assert scores == pytest.approx(path_scores(tree, mapped), abs=1e-4)
 
 
-def test_the_script_fits_the_map_on_held_out_prompts_and_writes_it(tiny_chat, tmp_path):
+def test_the_script_fits_the_map_on_held_out_prompts_and_writes_it(tiny_chat, tmp_path, capsys):
     import fit_acceptance_map
     from inference import load_target
 
@@ -112,9 +112,8 @@ def test_the_script_fits_the_map_on_held_out_prompts_and_writes_it(tiny_chat, tm
     fit_acceptance_map.main(
         [str(tmp_path / "head"), "--model", str(tiny_chat / "model"), "--questions", str(questions)]
         + ["--depth", "3", "--top-k", "4", "--nodes", "6", "--max-new-tokens", "24", "--write"]
-        + ["--out", str(tmp_path / "report.md")]
     )
     weights = load_heads(tmp_path / "head", model).config.acceptance_map
     assert len(weights) == 3 and weights[1] > 0 >= weights[2]
-    report = (tmp_path / "report.md").read_text()
+    report = capsys.readouterr().out
     assert "3 prompts" in report and "with the map's" in report
