@@ -310,3 +310,37 @@ def test_text_is_held_back_while_it_may_start_a_stop_string():
     assert pieces == [("", False), ("hel", False), ("l", False), ("", True)]
     plain = TextStream(Characters(), [])
     assert plain.push([ord("a")], False) == ("a", False) and plain.push([ord("b")], True) == ("b", False)
+
+
+class FailsOnce(TokenDrafter):
+    """Raises at its first proposal (a drafter's bug), then proposes only the root."""
+
+    def __init__(self):
+        self.failed = False
+
+    def propose(self, tokens, max_depth):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a drafter's bug")
+        return root_only(tokens)
+
+
+def test_a_fault_in_decoding_ends_its_requests_with_an_error_and_the_server_goes_on(chat_model):
+    model, tokenizer = chat_model
+    app = server_app(model, tokenizer, FailsOnce(), fallback=False, batch_size=2)
+    body = {"prompt": "the old moon", "max_tokens": 5, "temperature": 0}
+    reference = generate(model, None, body["prompt"], tokenizer=tokenizer, max_new_tokens=5)
+    assert len(reference.token_ids) > 1  # so its row drafts
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base, timeout=WAIT) as client:
+            failed = await client.post("/v1/completions", json=body)
+            answered = await client.post("/v1/completions", json=body)
+            health = await client.get("/health")
+        return failed, answered, health
+
+    with serving(app) as base:
+        failed, answered, health = asyncio.run(scenario())
+    assert failed.status_code == 500 and "a drafter's bug" in failed.json()["error"]["message"]
+    assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == reference.text
+    assert health.status_code == 200
