@@ -68,7 +68,6 @@ class CompiledPasses:
 
     what = "the target's decoding pass"  # for the progress line
     gemm_template = True  # on a CPU, matrix products through inductor's GEMM template (module docstring)
-    template_options = TEMPLATE_OPTIONS  # inductor's options where it does
 
     def __init__(self, module):
         self.module = module
@@ -163,12 +162,12 @@ class CompiledPasses:
         if device.type != "cpu" or not self.gemm_template:
             kinds = [("", INDUCTOR_OPTIONS)]
         elif template_serves_every_pass(weight.dtype):
-            kinds = [("-template", self.template_options)]
+            kinds = [("-template", TEMPLATE_OPTIONS)]
         else:
-            kinds = [("", INDUCTOR_OPTIONS), ("-narrow", self.template_options)]
+            kinds = [("", INDUCTOR_OPTIONS), ("-narrow", TEMPLATE_OPTIONS)]
         packages = []
         for suffix, options in kinds:
-            threads = torch.get_num_threads() if options.get("max_autotune") else None
+            threads = torch.get_num_threads() if options is TEMPLATE_OPTIONS else None
             key = store.artefact_key(*common, options, threads)
             packages.append((store.artefact_path("compiled", f"{self.name()}{suffix}-{key}.pt2"), options))
         return packages

@@ -13,9 +13,9 @@ import torch
 from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
-from .compiled import PASSES, TEMPLATE_OPTIONS, CompiledPasses, is_compiled, template_serves_every_pass
+from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
-from .passes import HeadLevelPass, export_exit_pass, export_head_pass, export_level_pass
+from .passes import export_exit_pass, export_head_pass
 from .store import weights_digest
 
 
@@ -72,36 +72,6 @@ class CompiledHead(HeadPasses):
         return export_head_pass(self.module)
 
 
-class CompiledDraftLevel(HeadPasses):
-    """An EAGLE head's draft level through one compiled package (inference.passes.HeadLevelPass): the head's pass over
-    a frontier and its outputs' log-probabilities over the draft vocabulary, in one call."""
-
-    what = "the EAGLE head's draft level"
-    # the rows a prompt added to the vocabulary are an input, a weight the GEMM template cannot take (it packs
-    # constants): ATen's product serves them
-    template_options = {**TEMPLATE_OPTIONS, "max_autotune_gemm_backends": "CPP,ATEN"}
-
-    def __call__(self, states, token_embedding, copy_embedding, *, position_ids, attention_mask, cache, projection):
-        """(outputs [rows, T, H], log-probs [rows, T, N + A]) of the frontier; `projection` is what
-        ContextVocabulary.projection_inputs gives."""
-        extra = [*projection] + ([copy_embedding] if copy_embedding is not None else [])
-        return self._run_with_cache(cache, [states, token_embedding, position_ids, attention_mask], extra)
-
-    def key_parts(self) -> list:
-        head = self.module.head_pass.head
-        return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(self.module)]
-
-    def name(self) -> str:
-        return f"eagle-level-{str(self.dtype).removeprefix('torch.')}"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.module.base_weight.dtype
-
-    def export(self):
-        return export_level_pass(self.module)
-
-
 class CompiledEarlyExit(HeadPasses):
     """Calls an early-exit head like the head itself, through a compiled package: its passes over the committed
     tokens and over each draft level. Eager, its layers would cost what the target's eager layers do, while the
@@ -146,39 +116,20 @@ def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
     return getattr(head, PASSES)
 
 
-LEVELS = "_specheads_compiled_levels"  # an EAGLE head's attribute: its draft levels' compiled passes, by lm_head
-
-
-def compiled_level(head: EagleHead, model, vocab) -> CompiledDraftLevel | None:
-    """An EAGLE head's draft levels through one compiled package over `vocab` (its DraftVocabulary over `model`'s
-    lm_head) when `model`'s passes are compiled, else None. Kept on the head for the lm_head's weights as they are."""
-    if not is_compiled(model):
-        return None
-    weight = model.get_output_embeddings().weight
-    key = (weight.data_ptr(), weight._version, weight.dtype, vocab.base_size)
-    levels = head.__dict__.setdefault(LEVELS, {})
-    if key not in levels:
-        levels.clear()  # the lm_head changed: the old package is for other weights
-        levels[key] = CompiledDraftLevel(HeadLevelPass(head, vocab))
-    return levels[key]
-
-
 def head_passes(heads, model) -> list[CompiledPasses]:
     """The compiled passes of the heads among `heads` (as generate() takes them: a head, a drafter, or a list) that
-    draft through passes of their own: EAGLE heads (a pass, and a draft level) and early exits. Empty unless
-    `model`'s passes are compiled."""
+    draft through passes of their own: EAGLE heads and early exits. Empty unless `model`'s passes are compiled."""
     if not is_compiled(model):
         return []
     found = []
     for head in heads if isinstance(heads, (list, tuple)) else [heads]:
         if isinstance(head, EagleHead):
-            vocab = head.draft_vocabulary(model.get_output_embeddings())
-            found += [compiled_head(head, model), compiled_level(head, model, vocab)]
+            found.append(compiled_head(head, model))
         elif isinstance(head, EarlyExitHead):
             found.append(compiled_head(head, model, CompiledEarlyExit))
-        else:  # a drafter built on them
-            found += [p for p in (getattr(head, "run_head", None), getattr(head, "run_level", None)) if p is not None]
-    return [passes for passes in found if isinstance(passes, CompiledPasses)]
+        elif isinstance(getattr(head, "run_head", None), CompiledPasses):  # a drafter built on one
+            found.append(head.run_head)
+    return found
 
 
 def warm_up(model, heads=None, *, verbose: bool = True) -> float:

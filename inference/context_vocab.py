@@ -164,24 +164,6 @@ class ContextVocabulary:
             self.seen = self.seen[rows]
             self._mask_unseen()
 
-    def projection_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a draft level's compiled program (inference.passes.HeadLevelPass) takes besides the base rows: the
-        added rows' weight [A, H] and bias [A], and an additive mask [rows, N + A] (-inf where `unseen`), with one
-        zero row, masked, when none was added (the program's sizes cannot be 0). Its log-probabilities then span
-        `current` and that row: the caller keeps the first `current.weight.shape[0]`."""
-        current, size = self.current, self.base.base_size
-        added = current.weight[size:]
-        bias = current.bias[size:] if current.bias is not None else added.new_zeros(added.shape[0])
-        if added.shape[0] == 0:
-            added, bias = added.new_zeros(1, added.shape[1]), bias.new_zeros(1)
-        width = size + added.shape[0]
-        unseen = torch.zeros(rows, width, dtype=torch.float32, device=added.device)
-        if self.unseen is not None:
-            unseen[:, : self.unseen.shape[1]].masked_fill_(self.unseen, float("-inf"))
-        if current.weight.shape[0] == size:  # the masked zero row
-            unseen[:, size:] = float("-inf")
-        return added.contiguous(), bias.contiguous(), unseen
-
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of logits [rows, ..., N] over `current`, each row's unseen tokens impossible."""
         if self.unseen is not None:

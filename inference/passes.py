@@ -5,16 +5,14 @@ from these programs and runs them."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from heads.attention import grouped_attention
 
 from .cache import PositionLayer, position_cache
-from .context_vocab import log_probabilities
 
 # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
-EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS, EXAMPLE_ADDED = 2, 3, 5, 9, 2, 7
+EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS = 2, 3, 5, 9, 2
 # every input's rows, and every store's capacity, one named size each: a size of its own for each of a model's
 # stores would bring symbols of one value that inductor reasons about one by one (a much slower compile). Token
 # counts stay Dim.AUTO: named, export refuses a guard it cannot simplify (t * min(64, 192 t) == 64 t).
@@ -123,43 +121,6 @@ class HeadPass(torch.nn.Module):
         return (out,)
 
 
-class HeadLevelPass(torch.nn.Module):
-    """A draft level in one program: an EAGLE head's HeadPass over a frontier, and its outputs' log-probabilities
-    over the draft vocabulary (inference.context_vocab's: the base rows constants of the program, the rows a batch
-    added an input, each row's tokens it may not draft masked by an additive row). Eager, the projection, the mask
-    and the softmax cost about as much as the head's own pass. (HeadPass's inputs, then added_weight [A, H],
-    added_bias [A], unseen [rows, N + A] of 0 and -inf) -> (outputs [rows, T, H], log-probs [rows, T, N + A])."""
-
-    def __init__(self, head, vocab):
-        super().__init__()
-        self.head_pass, self.norm = HeadPass(head), vocab.norm
-        base = slice(0, vocab.base_size)
-        self.register_buffer("base_weight", vocab.weight[base].detach())
-        self.register_buffer("base_bias", None if vocab.bias is None else vocab.bias[base].detach())
-
-    def forward(
-        self,
-        feature,
-        token_embedding,
-        position_ids,
-        attention_mask,
-        key_stores,
-        value_stores,
-        added_weight,
-        added_bias,
-        unseen,
-        copy_embedding=None,
-    ):
-        (out,) = self.head_pass(
-            feature, token_embedding, position_ids, attention_mask, key_stores, value_stores, copy_embedding
-        )
-        normed = (out if self.norm is None else self.norm(out)).to(self.base_weight.dtype)
-        logits = torch.cat(
-            [F.linear(normed, self.base_weight, self.base_bias), F.linear(normed, added_weight, added_bias)], dim=-1
-        )
-        return out, log_probabilities(logits.float() + unseen[:, None])
-
-
 class ExitPass(torch.nn.Module):
     """The early-exit draft's pass (the target's first layers with their adapter) with its cache as plain tensors (as
     DecodingPass, which writes the new entries into the stores): (token ids, positions, the additive mask, key/value
@@ -195,28 +156,6 @@ def export_decoding_pass(model):
 
 def export_head_pass(head):
     """An EAGLE head's HeadPass as torch.export's program, every size dynamic."""
-    return export_pass(HeadPass(head), *_head_pass_example(head))
-
-
-def export_level_pass(level: HeadLevelPass):
-    """A draft level's HeadLevelPass as torch.export's program, every size dynamic (the added rows too)."""
-    example, dynamic, shapes, dtype, device, copies, copies_dynamic = _head_pass_example(level.head_pass.head)
-    rows, hidden, weight = example[0].shape[0], example[0].shape[-1], level.base_weight
-    projection = (
-        weight.new_zeros(EXAMPLE_ADDED, hidden),
-        weight.new_zeros(EXAMPLE_ADDED),
-        torch.zeros(rows, weight.shape[0] + EXAMPLE_ADDED, dtype=torch.float32, device=device),
-    )
-    auto = torch.export.Dim.AUTO
-    projection_dynamic = ({0: auto}, {0: auto}, {0: ROWS, 1: auto})
-    return export_pass(
-        level, example, dynamic, shapes, dtype, device, projection + copies, projection_dynamic + copies_dynamic
-    )
-
-
-def _head_pass_example(head) -> tuple:
-    """export_pass's arguments for an EAGLE head's pass: (example, dynamic, cache shapes, dtype, device, copy
-    embeddings' example and dynamic sizes, empty without the copy input)."""
     weight = next(head.parameters())
     dtype, device, hidden = weight.dtype, weight.device, head.config.hidden_size
     one = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # a one-token pass shows the cache's shapes
@@ -233,8 +172,8 @@ def _head_pass_example(head) -> tuple:
     )
     auto = torch.export.Dim.AUTO
     dynamic = ({0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 2: auto, 3: auto})
-    copies = ((inputs.clone(),), ({0: ROWS, 1: auto},)) if head.config.copy_input else ((), ())
-    return example, dynamic, shapes, dtype, device, *copies
+    extra = ((inputs.clone(),), ({0: ROWS, 1: auto},)) if head.config.copy_input else ((), ())
+    return export_pass(HeadPass(head), example, dynamic, shapes, dtype, device, *extra)
 
 
 def export_exit_pass(head):

@@ -256,19 +256,6 @@ class DynamicTreeDrafter(Drafter):
     def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         return self.context.log_probs(self.vocab.logits(outputs))
 
-    def _level(
-        self,
-        depth: int,
-        nodes: DraftNodes,
-        frontier: torch.Tensor,
-        states: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft level: the frontier's outputs [rows, F, H] (_expand) and their log-probabilities over `vocab`."""
-        out = self._expand(depth, nodes, frontier, states, mask, positions)
-        return out, self._log_probs(out)
-
     def propose_rows(
         self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
     ) -> list[Tree]:
@@ -319,10 +306,10 @@ class DynamicTreeDrafter(Drafter):
             # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
             allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
             positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
-            out, log_probs = self._level(
+            out = self._expand(
                 level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions
             )
-            children = nodes.add_children(frontier, log_probs, k)
+            children = nodes.add_children(frontier, self._log_probs(out), k)
             # EAGLE-2: expand the likeliest
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
             frontier = children.gather(1, best)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from heads import NO_COPY, EagleHead, copy_embedding
 
 from ..bigrams import bigram_table, draft_copies
-from ..compiled_heads import compiled_head, compiled_level
+from ..compiled_heads import compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
 from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
@@ -42,9 +42,6 @@ class EagleDrafter(DynamicTreeDrafter):
         )
         self.head, self.embed = head, model.get_input_embeddings()
         self.run_head = compiled_head(head, model)  # compiled like the target's passes, or the head itself
-        # a draft level's head pass and log-probabilities in one compiled call (None: eager passes)
-        self.run_level = compiled_level(head, model, self.context.base)
-        self.projection = None  # this step's ContextVocabulary.projection_inputs
         self.hidden_layers = tuple(head.config.feature_layers)
         self.draft_paths = head.config.copy_input  # a draft node's copy token reads its path
         self.reset()
@@ -115,12 +112,6 @@ class EagleDrafter(DynamicTreeDrafter):
             ),
         )
 
-    def _copies(self, nodes: DraftNodes, frontier: torch.Tensor, depth: int) -> torch.Tensor | None:
-        """The frontier's copy-token embeddings, for a head with the copy input."""
-        if self.tails is None:
-            return None
-        return copy_embedding(self.embed, draft_copies(self.bigrams, self.tails, nodes.path_tokens(frontier, depth)))
-
     def _expand(
         self,
         depth: int,
@@ -130,28 +121,16 @@ class EagleDrafter(DynamicTreeDrafter):
         mask: torch.Tensor,
         positions: torch.Tensor,
     ) -> torch.Tensor:
+        copies = None
+        if self.tails is not None:
+            copies = copy_embedding(
+                self.embed, draft_copies(self.bigrams, self.tails, nodes.path_tokens(frontier, depth))
+            )
         return self.run_head(
             states,
             self.embed(nodes.tokens.gather(1, frontier)),
-            self._copies(nodes, frontier, depth),
+            copies,
             position_ids=positions,
             attention_mask=mask,
             cache=self.cache,
         )
-
-    def _level(self, depth, nodes, frontier, states, mask, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """Through the compiled level (head pass and log-probabilities in one call) where there is one."""
-        if self.run_level is None or self.cache.get_seq_length() == 0 or not self.run_level.ready():
-            return super()._level(depth, nodes, frontier, states, mask, positions)
-        if depth == 1:  # the vocabulary is the same for every level of a step
-            self.projection = self.context.projection_inputs(states.shape[0])
-        out, log_probs = self.run_level(
-            states,
-            self.embed(nodes.tokens.gather(1, frontier)),
-            self._copies(nodes, frontier, depth),
-            position_ids=positions,
-            attention_mask=mask,
-            cache=self.cache,
-            projection=self.projection,
-        )
-        return out, log_probs[..., : self.vocab.weight.shape[0]]  # not the masked zero row
