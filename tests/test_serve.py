@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ import torch
 import uvicorn
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead
+from heads import EagleConfig, EagleHead, load_heads
 from inference import DynamicTreeSpec, Sampling, TokenDrafter, generate, load_target
 from inference.drafters import NoDrafter, root_only
 from inference.fallback import Fallback
@@ -26,6 +27,7 @@ from inference.serve import server_app
 from inference.serve.app import TextStream
 from test_exactness_tiny import random_prompts
 
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 WAIT = 60  # seconds: an upper bound on waiting for the server, never a measurement
 
 
@@ -344,3 +346,54 @@ def test_a_fault_in_decoding_ends_its_requests_with_an_error_and_the_server_goes
     assert failed.status_code == 500 and "a drafter's bug" in failed.json()["error"]["message"]
     assert answered.status_code == 200 and answered.json()["choices"][0]["text"] == reference.text
     assert health.status_code == 200
+
+
+@pytest.mark.slow
+def test_the_default_target_under_16_clients_answers_as_generate_alone(shared_dir):
+    """SmolLM2-135M in float32 with the shipped EAGLE head: 16 dev questions at once, through chat completions, some
+    streamed, beside two streams whose clients leave after their first chunk: each answer is what generate() gives
+    that prompt alone, token for token (the usage's count too), and none is lost or answered twice."""
+    model, tokenizer = load_target(dtype="float32", compile=False)
+    head = load_heads(str(CHECKPOINTS / "smollm2-135m-instruct-eagle"), model)
+    tree = DynamicTreeSpec(depth=5, top_k=8, nodes=16)
+    app = server_app(model, tokenizer, head, tree=tree, fallback=False, batch_size=16, queue_size=16, name="smollm2")
+    lines = (shared_dir / "data" / "eval" / "dev.jsonl").read_text().splitlines()[:18]
+    questions = [json.loads(line)["turns"][0] for line in lines]
+    new = 40
+    references = [
+        generate(model, None, chat_ids(tokenizer, q), tokenizer=tokenizer, max_new_tokens=new) for q in questions[:16]
+    ]
+
+    async def leave_early(client, question):
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 200, "temperature": 0}
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    return line
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=base, timeout=10 * WAIT) as client:
+            calls = [
+                post(
+                    client,
+                    "/v1/chat/completions",
+                    {
+                        "messages": [{"role": "user", "content": question}],
+                        "max_tokens": new,
+                        "temperature": 0,
+                        "stream": number % 2 == 1,
+                    },
+                )
+                for number, question in enumerate(questions[:16])
+            ]
+            calls += [leave_early(client, question) for question in questions[16:]]
+            results = await asyncio.gather(*calls)
+            return results, await wait_for(client, 18)
+
+    with serving(app) as base:
+        results, page = asyncio.run(scenario())
+    for reference, reply in zip(references, results[:16]):
+        assert reply["status"] == 200 and answer_text(reply)[0] == reference.text
+        if "json" in reply:
+            assert reply["json"]["usage"]["completion_tokens"] == len(reference.token_ids)
+    assert ended(page) == 18 and ended(page, ("stop", "length")) >= 16

@@ -29,9 +29,12 @@ def server_app(
     batch_size: int = 8,
     queue_size: int = 64,
     name: str | None = None,
+    decoding_thread: bool = True,
 ):
     """The ASGI app serving `model` (and its `heads`, as generate() takes them) to at most `batch_size` requests at
-    once, `queue_size` more waiting; its lifespan starts and stops the decoding thread (run it with uvicorn)."""
+    once, `queue_size` more waiting; its lifespan starts and stops the decoding thread (run it with uvicorn).
+    decoding_thread=False: no thread of its own; the caller runs `app.state.batcher.run()` (python -m inference.serve
+    does, on the main thread, with uvicorn in another)."""
     for option, value in (("batch_size", batch_size), ("queue_size", queue_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be a positive integer, got {value!r}")
@@ -39,5 +42,5 @@ def server_app(
     warm_up(model, heads)
     # the plan generate() makes for a batch of that many rows (one row: for one prompt)
     chosen = plan(model, heads, tree, lookup, fallback, batch=None if batch_size == 1 else (batch_size, batch_size))
-    batcher = Batcher(model, chosen, eos_ids(model), batch_size, queue_size, Metrics(batch_size))
+    batcher = Batcher(model, chosen, eos_ids(model), batch_size, queue_size, Metrics(batch_size), decoding_thread)
     return create_app(batcher, tokenizer, name or model.config._name_or_path)

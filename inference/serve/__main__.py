@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 
 from ..cli import run
 
@@ -82,9 +84,30 @@ def main(argv=None) -> None:
         batch_size=args.batch_size,
         queue_size=args.queue_size,
         name=args.served_model_name,
+        decoding_thread=False,
     )
     # one log line a request is the server's own (logger inference.serve), not uvicorn's access log
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server, batcher = uvicorn.Server(config), app.state.batcher
+
+    def serve_http():
+        try:
+            server.run()
+        finally:  # the decode loop ends with the server (also when it could not start)
+            batcher.stop()
+
+    http = threading.Thread(target=serve_http, name="specheads-http", daemon=True)
+    # uvicorn handles no signal off the main thread: SIGTERM shuts the server down gracefully here (Ctrl-C too,
+    # through KeyboardInterrupt)
+    signal.signal(signal.SIGTERM, lambda number, frame: setattr(server, "should_exit", True))
+    http.start()
+    try:  # the decode loop on the main thread, which did the loading's torch work (Batcher's own_thread says why)
+        batcher.run()
+    finally:
+        server.should_exit = True
+        http.join()
+    if not server.started:
+        raise SystemExit(f"the server did not start on {args.host}:{args.port} (its log above says why)")
 
 
 if __name__ == "__main__":

@@ -65,9 +65,22 @@ class Job:
 class Batcher:
     """The decoding thread and the requests it serves; `start`, `submit`, `cancel`, `stop`."""
 
-    def __init__(self, model, plan: Plan, eos: list[int], batch_size: int, queue_size: int, metrics: Metrics):
+    def __init__(
+        self,
+        model,
+        plan: Plan,
+        eos: list[int],
+        batch_size: int,
+        queue_size: int,
+        metrics: Metrics,
+        own_thread: bool = True,
+    ):
         self.model, self.plan, self.eos, self.batch_size, self.queue_size = model, plan, eos, batch_size, queue_size
         self.metrics = metrics
+        # own_thread=False: the caller runs `run` itself, on the thread that did the process's first torch work. On
+        # a CPU, OpenMP's threads of a second thread's parallel regions outnumber the cores, wait without spinning
+        # and ran the loop 2-4x slower (docs/usage.md#the-server).
+        self.own_thread, self.serving = own_thread, False
         self.state = loop.start(model, plan.drafter, eos, plan.fallback, batch_size)
         self.lock = threading.Condition()
         self.inbox: list[Job] = []  # submitted, not yet in the loop's queue
@@ -76,11 +89,15 @@ class Batcher:
         self.thread = threading.Thread(target=self.run, name="specheads-decode", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        """Take requests from now on (and start the decoding thread, unless the caller runs `run`)."""
+        self.serving = True
+        if self.own_thread:
+            self.thread.start()
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive() and not self.stopping
+        running = self.thread.is_alive() if self.own_thread else True
+        return self.serving and running and not self.stopping
 
     def waiting(self) -> int:
         """Requests that would find no row at the next step."""
@@ -111,7 +128,7 @@ class Batcher:
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        if self.thread.is_alive():
+        if self.own_thread and self.thread.is_alive():
             self.thread.join()
 
     def run(self) -> None:
