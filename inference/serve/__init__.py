@@ -34,7 +34,8 @@ def server_app(
     """The ASGI app serving `model` (and its `heads`, as generate() takes them) to at most `batch_size` requests at
     once, `queue_size` more waiting; its lifespan starts and stops the decoding thread (run it with uvicorn).
     decoding_thread=False: no thread of its own; the caller runs `app.state.batcher.run()` (python -m inference.serve
-    does, on the main thread, with uvicorn in another)."""
+    does, on the main thread, with uvicorn in another): on a CPU, a decoding thread beside the thread that did the
+    process's torch work runs 2-4x slower (batcher.Batcher says why)."""
     for option, value in (("batch_size", batch_size), ("queue_size", queue_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be a positive integer, got {value!r}")
