@@ -397,3 +397,26 @@ def test_the_default_target_under_16_clients_answers_as_generate_alone(shared_di
         if "json" in reply:
             assert reply["json"]["usage"]["completion_tokens"] == len(reference.token_ids)
     assert ended(page) == 18 and ended(page, ("stop", "length")) >= 16
+
+
+def test_a_server_whose_caller_runs_the_decode_loop_serves_and_stops(chat_model):
+    """decoding_thread=False (python -m inference.serve: the loop on the main thread, uvicorn in another): the app
+    takes no thread of its own, the caller's run() answers requests exactly, and it returns when the server stops."""
+    model, tokenizer = chat_model
+    app = server_app(model, tokenizer, None, batch_size=2, queue_size=4, name="tiny", decoding_thread=False)
+    batcher = app.state.batcher
+    decoding = threading.Thread(target=batcher.run)  # stands in for the main thread
+    decoding.start()
+    reference = generate(model, None, "the cat runs", tokenizer=tokenizer, max_new_tokens=8)
+
+    async def ask():
+        async with httpx.AsyncClient(base_url=base, timeout=WAIT) as client:
+            body = {"prompt": "the cat runs", "max_tokens": 8, "temperature": 0}
+            return await post(client, "/v1/completions", body)
+
+    with serving(app) as base:
+        assert not batcher.thread.is_alive(), "no thread of its own"
+        reply = asyncio.run(ask())
+    assert reply["status"] == 200 and answer_text(reply)[0] == reference.text
+    decoding.join(WAIT)  # the server's shutdown (its lifespan) ended the caller's loop
+    assert not decoding.is_alive() and not batcher.alive
