@@ -118,6 +118,15 @@ async def wait_for(client: httpx.AsyncClient, count: int, outcomes=("stop", "len
         await asyncio.sleep(0.05)
 
 
+async def leave_early(client: httpx.AsyncClient, path: str, body: dict) -> dict:
+    """A greedy stream of up to 200 tokens whose client goes away after its first chunk (returned)."""
+    body = {**body, "max_tokens": 200, "temperature": 0, "stream": True}
+    async with client.stream("POST", path, json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[6:])
+
+
 MALFORMED = [  # (path, body, status, the field the message names)
     ("/v1/completions", '{"prompt": "the cat", "max_tokens": 4', 400, "not valid JSON"),
     ("/v1/completions", "[1, 2]", 400, "JSON object"),
@@ -170,18 +179,12 @@ def test_concurrent_requests_answer_as_generate_alone_and_bad_input_is_refused(c
     stop = stop_reference.text.split()[2]  # the third word of an answer ends it before that word
     stop_body = {**stop_body, "stop": [stop, "zzz"], "stream": True}
 
-    async def leave_early(client):
-        body = {"prompt": "the dog jumps", "max_tokens": 200, "temperature": 0, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    return json.loads(line[6:])  # one chunk, then the client goes away
-
     async def scenario():
         async with httpx.AsyncClient(base_url=base, timeout=WAIT) as client:
             calls = [post(client, path, body) for path, body, _ in cases]
             calls += [post(client, path, body) for path, body, _, _ in MALFORMED]
-            calls += [post(client, stop_path, stop_body), leave_early(client)]
+            leaving = leave_early(client, "/v1/completions", {"prompt": "the dog jumps"})
+            calls += [post(client, stop_path, stop_body), leaving]
             results = await asyncio.gather(*calls)
             page = await wait_for(client, len(cases) + 2)  # the one whose client left too
             after = await post(client, *cases[0][:2])  # served after all of it
@@ -364,13 +367,6 @@ def test_the_default_target_under_16_clients_answers_as_generate_alone(shared_di
         generate(model, None, chat_ids(tokenizer, q), tokenizer=tokenizer, max_new_tokens=new) for q in questions[:16]
     ]
 
-    async def leave_early(client, question):
-        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 200, "temperature": 0}
-        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    return line
-
     async def scenario():
         async with httpx.AsyncClient(base_url=base, timeout=10 * WAIT) as client:
             calls = [
@@ -386,7 +382,10 @@ def test_the_default_target_under_16_clients_answers_as_generate_alone(shared_di
                 )
                 for number, question in enumerate(questions[:16])
             ]
-            calls += [leave_early(client, question) for question in questions[16:]]
+            calls += [
+                leave_early(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": question}]})
+                for question in questions[16:]
+            ]
             results = await asyncio.gather(*calls)
             return results, await wait_for(client, 18)
 
