@@ -419,3 +419,53 @@ def test_a_server_whose_caller_runs_the_decode_loop_serves_and_stops(chat_model)
     assert reply["status"] == 200 and answer_text(reply)[0] == reference.text
     decoding.join(WAIT)  # the server's shutdown (its lifespan) ended the caller's loop
     assert not decoding.is_alive() and not batcher.alive
+
+
+class Delivered(list):
+    """Stands in for a request's event loop and queue: what the decoding thread hands it, at once, in order."""
+
+    def call_soon_threadsafe(self, put, item):
+        put(item)
+
+    def put_nowait(self, item):
+        self.append(item)
+
+
+def test_requests_that_arrive_during_a_prefill_get_their_first_token_before_the_batch_decodes(chat_model):
+    from inference.serve.batcher import Job
+
+    model, tokenizer = chat_model
+    app = server_app(model, tokenizer, None, batch_size=3, queue_size=4, name="tiny", decoding_thread=False)
+    batcher = app.state.batcher
+    batcher.start()
+    jobs = []
+
+    def submit(text: str) -> Job:
+        events = Delivered()
+        job = Job(torch.tensor(chat_ids(tokenizer, text)), 6, Sampling(), None, events, events)
+        batcher.submit(job)
+        jobs.append(job)
+        return job
+
+    first = submit("the old moon")
+    prefill = model.forward
+
+    def arriving_during_the_first_prefill(*args, **kwargs):  # two requests arrive while the first is prefilled
+        if len(jobs) == 1:
+            submit("a river")
+            submit("three small birds")
+        return prefill(*args, **kwargs)
+
+    model.forward = arriving_during_the_first_prefill
+    try:
+        with torch.inference_mode():
+            assert batcher.take_arrivals()
+            batcher.admit_arrivals()
+    finally:
+        del model.forward
+    assert len(batcher.state.active) == 3
+    for job in jobs:  # each has its first token, and no row has decoded a step yet
+        assert [len(tokens) for tokens, done in job.events] == [1]
+        assert job.row.length == job.row.prompt_length + 1
+    assert first.row is batcher.state.active[0]
+    batcher.stop()
