@@ -5,14 +5,11 @@
         --per-category 2 --max-new-tokens 128 --dtype float32 --out docs/results/dev-fp32
 
 Methods: hf (HF generate() greedy, the baseline), hf-lookup (HF prompt lookup), plain (our loop, no drafter), lookup
-(our prompt lookup), eagle, medusa and early-exit (a head alone), HEAD+lookup (a copied span merged into the head's
-tree), HEAD-default (the default call `generate(model, head, prompt)`: the tree sized to this machine, lookup
-merged, the fallback on, whatever --tree, --no-fallback and --no-context-vocab say). Our other methods fall back to
-plain decoding where drafting does not pay (--no-fallback: never). Every method is given the baseline's earlier
-answers, so all see identical prompts. Reports per category: tokens/s, speedup over the baseline, tau (new tokens
-per target pass), outputs identical to the baseline's (each divergence's near-tie proven or not), our loop's latency
-and acceptance by draft depth: OUT.json, OUT.md. --batch-sizes measures throughput instead; --merge joins the
-results of one run's shards.
+(our prompt lookup), eagle, medusa, early-exit (a head alone), HEAD+lookup (lookup merged into the head's tree),
+HEAD-default (`generate(model, head, prompt)` as it is, whatever --tree, --no-fallback and --no-context-vocab say).
+Later turns get the baseline's earlier answers. Per category: tokens/s, speedup, tau (new tokens per target pass),
+outputs identical to the baseline's (divergences checked for near-ties), our loop's latency and acceptance by depth.
+--batch-sizes measures throughput instead; --merge joins one run's shards.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from tqdm import tqdm
 
 from common import (
     DEFAULT_QUESTIONS,
+    Tally,
     chat_prompt,
     divergence,
     divergence_note,
@@ -35,7 +33,6 @@ from common import (
     hf_greedy,
     hf_in_chunks,
     hf_method,
-    interleaved,
     load,
     our_method,
     parser,
@@ -45,6 +42,7 @@ from common import (
     shard,
     table,
     time_each,
+    write_results,
 )
 from heads import load_heads
 from inference import DynamicTreeSpec, PromptLookupDrafter, warm_up
@@ -69,9 +67,8 @@ def load_method_heads(args, model) -> dict:
 
 
 def our_settings(args, heads: dict, model=None) -> dict[str, dict]:
-    """Each of our methods in --methods -> its generate() keywords (heads, tree, lookup, fallback). With
-    --no-context-vocab (and so a fixed tree) a head's drafter is built here, lookup merged in, to pass it
-    `context_vocab=False`; that needs the `model`."""
+    """Each of our methods in --methods -> its generate() keywords. --no-context-vocab builds a head's drafter here
+    (with the `model`), to pass it `context_vocab=False`."""
     fixed = args.tree == "fixed"  # else calibrated: generate()'s default, tree=None
 
     def shaped(own: DynamicTreeSpec) -> DynamicTreeSpec:  # a drafter's own shape unless --depth / --top-k say
@@ -151,8 +148,7 @@ def markdown(summary: dict, methods: list[str]) -> str:
 
 
 def monitoring(records: list[dict], methods: list[str]) -> str:
-    """Our loop's latency and acceptance over all turns: time to first token, time per output token, the share of
-    decode steps taken plainly (the fallback), and acceptance by draft depth (accepted / drafted that deep)."""
+    """Our loop's latency, share of plain decode steps (the fallback) and acceptance by depth over all turns."""
     rows = []
     for m in methods:
         stats = [r["stats"][m] for r in records if r["stats"].get(m)]
@@ -180,11 +176,8 @@ def write_result(out: str | None, result: dict, methods: list[str]) -> None:
     text = f"{result['header']}\n\n{tables}"
     print("\n" + text)
     if out:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        out.with_suffix(".md").write_text(text)
-        print(f"wrote {out.with_suffix('.json')} and .md")
+        write_results(out, text, result, indent=1)
+        print(f"wrote {Path(out).with_suffix('.json')} and .md")
 
 
 def merge_shards(paths: list[str], out: str | None) -> None:
@@ -197,17 +190,12 @@ def merge_shards(paths: list[str], out: str | None) -> None:
         try:
             results.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as error:
-            raise SystemExit(
-                f"--merge: cannot read {path} ({error}); pass the .json files of --shard K/N runs"
-            ) from None
+            raise SystemExit(f"--merge: cannot read {path} ({error}); pass --shard K/N runs' .json files") from None
     settings = [{k: v for k, v in r["args"].items() if k not in ("shard", "out", "merge")} for r in results]
     for path, other in zip(paths[1:], settings[1:]):
         different = sorted(k for k in settings[0].keys() | other.keys() if settings[0].get(k) != other.get(k))
         if different:
-            raise SystemExit(
-                f"--merge: {path} was run with other settings than {paths[0]} ({', '.join(different)}): only the "
-                "shards of one run merge"
-            )
+            raise SystemExit(f"--merge: {path} ran with other settings than {paths[0]} ({', '.join(different)})")
     shards = sorted(tuple(r["args"].get("shard") or (0, 1)) for r in results)
     count = shards[0][1]
     if shards != [(k, count) for k in range(count)]:
@@ -228,21 +216,13 @@ def identical_rows(outputs: list[list[int]], alone: list[list[int]], per_round: 
     return sum(all(rows[index] == reference for rows in rounds) for index, reference in enumerate(alone))
 
 
-def batch_throughput(args, argv) -> None:
-    """Total new tokens per second over the first turns at each batch size: HF generate() on the prompts in chunks of
-    the batch size beside each of --methods through generate(..., batch_size=size) (at most that many rows at once, a
-    prompt joining as another finishes), in --rounds rounds of every method in turn."""
-    if "hf-lookup" in args.methods:
-        raise SystemExit("--batch-sizes batches HF generate(); hf-lookup decodes one sequence at a time: leave it out")
-    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
-    heads = load_method_heads(args, model)
-    warm_up(model, list(heads.values()))  # every package, so that every pass runs as it will
+def batch_throughput(args, argv, model, tokenizer, heads: dict, questions: list[dict]) -> None:
+    """Total new tokens per second over the first turns at each batch size: HF generate() on chunks of that size beside
+    each of --methods through generate(..., batch_size=size), in --rounds rounds of every method in turn."""
     runs = our_settings(args, heads, model)
-    questions = pick(read_questions(args.questions), args.per_category, None, args.shard)
     prompts = [prompt.tolist() for prompt in first_turns(tokenizer, questions)]
     alone = [hf_greedy(model, prompt, args.max_new_tokens) for prompt in prompts[: args.reference_rows]]
-    # Untimed: a process's first decoding of these prompts ran ~8% slower than the same one again (Xeon, batch 8),
-    # which would penalise whichever method comes first; every prompt, a few tokens, at the largest batch.
+    # untimed: a process's first decoding of these prompts runs slower than later ones, penalising the first method
     largest = max(args.batch_sizes)
     hf_in_chunks(model, prompts, largest, 16)
     for settings in runs.values():
@@ -254,7 +234,10 @@ def batch_throughput(args, argv) -> None:
     methods |= {name: our_method(model, args.max_new_tokens, **settings) for name, settings in runs.items()}
     rows = []
     for size in args.batch_sizes:
-        tallies = interleaved(methods, [prompts] * args.rounds, size, desc=f"batch {size} (rounds)")
+        tallies = {name: Tally() for name in methods}
+        for _ in tqdm(range(args.rounds), desc=f"batch {size} (rounds)"):  # every method in turn, round by round
+            for name, (run, seconds) in time_each(methods, prompts, size).items():
+                tallies[name].add(run, seconds)
         hf, ours = tallies["hf"].tokens_per_second, [tallies[name] for name in runs]
         cells = [f"{t.tokens_per_second:.1f} ({t.tokens_per_second / hf:.2f}x, tau {t.tau:.2f})" for t in ours]
         same = [f"{identical_rows(tallies[name].outputs, alone, len(prompts))}/{len(alone)}" for name in runs]
@@ -269,7 +252,7 @@ def batch_throughput(args, argv) -> None:
     )
     print("\n" + text)
     if args.out:
-        Path(args.out).with_suffix(".md").write_text(text)
+        write_results(args.out, text)
 
 
 def arguments(argv):
@@ -300,6 +283,8 @@ def arguments(argv):
     args = p.parse_args(argv)
     if args.no_context_vocab and args.tree != "fixed":
         p.error("--no-context-vocab builds the heads' drafters with a fixed tree: add --tree fixed")
+    if args.batch_sizes and "hf-lookup" in args.methods:
+        p.error("--batch-sizes batches HF generate(); hf-lookup decodes one sequence at a time: leave it out")
     if "hf" in args.methods:  # the baseline first: its answers are fed back to every method
         args.methods = ["hf"] + [m for m in args.methods if m != "hf"]
     return args
@@ -309,13 +294,13 @@ def main(argv=None):
     args = arguments(argv)
     if args.merge:
         return merge_shards(args.merge, args.out)
-    if args.batch_sizes:
-        return batch_throughput(args, argv)
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
     heads = load_method_heads(args, model)
-    compile_seconds = warm_up(model, list(heads.values()))
-    methods = build_methods(args, model, heads)
+    compile_seconds = warm_up(model, list(heads.values()))  # every package, so that every pass runs as it will
     questions = pick(read_questions(args.questions), args.per_category, None, args.shard)
+    if args.batch_sizes:
+        return batch_throughput(args, argv, model, tokenizer, heads, questions)
+    methods = build_methods(args, model, heads)
     time_each(methods, chat_prompt(tokenizer, ["Hello"])[:16])  # warm-up, outside the measurement
 
     records = []

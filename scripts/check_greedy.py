@@ -2,12 +2,11 @@
 
     python scripts/check_greedy.py docs/results/dev-all-eagle-corpus2800-fp32-epyc.json
 
-For every turn and method of a `scripts/benchmark.py` record (its .json), the prompt is rebuilt as the benchmark
-built it, the target runs once over prompt + answer, and every answer token must be the target's argmax at its
-position; the answer must stop where greedy stops (the first end-of-sequence token, or max_new_tokens). Run it in
-the record's dtype (float32 for an exactness claim). A teacher-forced pass rounds a little unlike one-token passes,
-so each mismatch comes with its logit gap (~1e-5 in float32 would be rounding), and so does the smallest top-two gap
-along all answers. Exits 1 when any turn fails.
+For every turn and method of a `scripts/benchmark.py` record (its .json), the target runs once over the prompt, rebuilt
+as the benchmark built it, and the answer: every answer token must be its argmax, and the answer must stop where greedy
+stops (the first EOS, or max_new_tokens). Run it in the record's dtype (float32 for an exactness claim). A
+teacher-forced pass rounds unlike one-token passes, so each mismatch comes with its logit gap (~1e-5 in float32 is
+rounding), beside the smallest top-two gap along all answers. Exits 1 when any turn fails.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from common import chat_prompt, eos_ids, load, parser, read_questions, table
 
 @torch.inference_mode()
 def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], max_new_tokens: int) -> dict:
-    """Mismatching positions (answer token is not the argmax, with the gap to the top logit), the smallest
-    top-two gap on the path, and whether the answer stops where greedy would."""
+    """The positions where the answer is not the argmax (with the gap to the top logit), the smallest top-two gap on
+    the path, and whether the answer stops where greedy would."""
     if not answer:
         return {"mismatches": [], "min_gap": None, "stops_right": max_new_tokens == 0}
     ids = torch.cat([prompt, torch.tensor(answer, dtype=torch.long)]).to(model.device)
@@ -34,8 +33,7 @@ def check_answer(model, prompt: torch.Tensor, answer: list[int], eos: set[int], 
     chosen = torch.tensor(answer, device=logits.device)
     wrong = (top2.indices[:, 0] != chosen).nonzero().flatten().tolist()
     mismatches = [{"position": p, "gap": float(top2.values[p, 0] - logits[p, answer[p]])} for p in wrong]
-    early_eos = any(t in eos for t in answer[:-1])
-    stops_right = not early_eos and (answer[-1] in eos or len(answer) == max_new_tokens)
+    stops_right = not any(t in eos for t in answer[:-1]) and (answer[-1] in eos or len(answer) == max_new_tokens)
     gaps = top2.values[:, 0] - top2.values[:, 1]
     return {"mismatches": mismatches, "min_gap": float(gaps.min()), "stops_right": stops_right}
 
@@ -49,10 +47,7 @@ def check_run(model, tokenizer, run: dict, questions: list[dict]) -> dict:
     for record in tqdm(run["records"], desc="turns"):
         question = by_id.get(record["question_id"])
         if question is None:
-            raise SystemExit(
-                f"question {record['question_id']} of the record is not in the question file; pass the --questions the "
-                "run used"
-            )
+            raise SystemExit(f"question {record['question_id']} is not in the questions: pass the run's --questions")
         if record["turn"] == 0:
             answers = []
         prompt = chat_prompt(tokenizer, question["turns"][: record["turn"] + 1], answers)
@@ -82,10 +77,7 @@ def main(argv=None):
         raise SystemExit(f"{path} not found: pass the .json a benchmark run wrote with --out")
     run = json.loads(path.read_text())
     if not isinstance(run, dict) or "records" not in run or "args" not in run:
-        raise SystemExit(
-            f"{path} is not a benchmark record (no 'args' and 'records'); batch-throughput records hold no answers to "
-            "check"
-        )
+        raise SystemExit(f"{path} is not a benchmark record with answers (no 'args' and 'records'; not --batch-sizes)")
     recorded = run["args"]
     dtype = args.dtype or recorded.get("dtype", "float32")
     model, tokenizer = load(recorded.get("model"), dtype=dtype, device=args.device, compile=False)

@@ -1,7 +1,5 @@
-"""What the measurement scripts share: questions and their chat prompts, the target and its heads, HF generate()'s
-greedy baseline, methods timed in turn on the same input (a method: a function of one prompt's token ids, or of a
-list of prompts and a batch size, returning a `Run`), the exactness check at near-ties, the results' header and tables.
-"""
+"""What the measurement scripts share: questions and prompts, the target and its heads, HF's greedy baseline, methods
+timed in turn on the same input, the exactness check at near-ties, the results' header, tables and files."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the scripts run without installing the project: they import this module first
@@ -27,8 +24,8 @@ from inference.calibrate import device_name  # noqa: E402
 from inference.numerics import NEAR_TIE_STEPS, near_tie  # noqa: E402
 
 DEFAULT_QUESTIONS = REPO.parent / "shared" / "data" / "eval" / "dev.jsonl"
-
-# --- questions and prompts ---------------------------------------------------------------------------------------
+SHIPPED_EAGLE = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"  # found from any working directory
+SHIPPED_EAGLE3 = REPO / "checkpoints" / "smollm2-135m-instruct-eagle3"  # EAGLE-3's layout, for vLLM
 
 
 def read_questions(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -50,8 +47,7 @@ def read_questions(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 def pick(questions: list[dict], per_category: int | None, limit: int | None, shard=None) -> list[dict]:
-    """The questions a run answers: the first `per_category` of each category, the first `limit` of those, then every
-    N-th from the K-th for shard (K, N) (a long run split across processes)."""
+    """The first `per_category` questions of each category, the first `limit` of those, then shard (K, N)'s."""
     if per_category:
         count, chosen = defaultdict(int), []
         for question in questions:
@@ -78,9 +74,6 @@ def first_turns(tokenizer, questions: list[dict]) -> list[torch.Tensor]:
     return [chat_prompt(tokenizer, question["turns"][:1]) for question in questions]
 
 
-# --- options -----------------------------------------------------------------------------------------------------
-
-
 def parser(doc: str) -> argparse.ArgumentParser:
     """A script's parser, its docstring (with the example commands) as the help's description."""
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,9 +92,7 @@ def shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(part) for part in text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--shard takes K/N (this run answers every N-th question from the K-th, 0 <= K < N), got {text!r}"
-        ) from None
+        index, count = 0, 0  # not K/N: refused below
     if not 0 <= index < count:
         raise argparse.ArgumentTypeError(f"--shard K/N needs 0 <= K < N, got {text!r}")
     return index, count
@@ -110,9 +101,6 @@ def shard(text: str) -> tuple[int, int]:
 def command(script: str, argv: list[str] | None) -> str:
     """The command line that ran `script`, as its results record it."""
     return " ".join(["python", f"scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
-
-
-# --- the target, its heads and HF's baseline ---------------------------------------------------------------------
 
 
 def load(model: str | None = None, *heads: str, **options) -> tuple:
@@ -127,7 +115,7 @@ def eos_ids(model) -> set[int]:
 
 
 def hf_batch(model, prompts: list[list[int]], max_new_tokens: int, **options) -> list[list[int]]:
-    """HF greedy generate() on a left-padded batch: each row's tokens up to its first EOS, the padding after dropped."""
+    """HF greedy generate() on a left-padded batch: each row's tokens up to its first EOS."""
     width, pad = max(map(len, prompts)), model.generation_config.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
@@ -147,13 +135,9 @@ def hf_in_chunks(model, prompts: list[list[int]], size: int, max_new_tokens: int
     return [row for chunk in chunks for row in hf_batch(model, chunk, max_new_tokens)]
 
 
-# --- methods and their timing ------------------------------------------------------------------------------------
-
-
 @dataclass
 class Run:
-    """A method's answers to one prompt or a batch: each prompt's new tokens, the target passes they took (0: not
-    counted, as for HF generate()), and our loop's stats of each."""
+    """A method's answers: each prompt's new tokens, the target passes (0: not counted, as for HF), our loop's stats."""
 
     outputs: list[list[int]]
     forwards: int = 0
@@ -204,8 +188,7 @@ def timed(call: Callable):
 
 
 def time_each(methods: dict[str, Method], *inputs) -> dict[str, tuple[Run, float]]:
-    """Every method on the same input, one after another, each timed: interleaved input by input, a slow spell of the
-    machine slows every method alike."""
+    """Every method on the same input in turn, each timed: a slow spell of the machine slows every method alike."""
     return {name: timed(lambda method=method: method(*inputs)) for name, method in methods.items()}
 
 
@@ -232,22 +215,8 @@ class Tally:
         return self.tokens / self.forwards if self.forwards else None
 
 
-def interleaved(methods: dict[str, Method], items: list, *extra, desc=None) -> dict[str, Tally]:
-    """Each item (with `extra` arguments) through every method in turn (time_each): their tallies."""
-    tallies = {name: Tally() for name in methods}
-    for item in tqdm(items, desc=desc):
-        for name, (run, seconds) in time_each(methods, item, *extra).items():
-            tallies[name].add(run, seconds)
-    return tallies
-
-
-# --- exactness ---------------------------------------------------------------------------------------------------
-
-
 def divergence(model, prompt: torch.Tensor, ours: list[int], baseline: list[int]) -> dict:
-    """Where `ours` first departs from the baseline, and whether the target itself has a near-tie there
-    (inference.numerics: both tokens within a few rounding steps of the top, teacher-forced on the shared prefix or,
-    where that finds no tie, in the logits generate() computed itself)."""
+    """Where `ours` first departs from the baseline, and whether the target has a near-tie there (numerics.near_tie)."""
     shorter = min(len(ours), len(baseline))
     position = next((i for i, (a, b) in enumerate(zip(ours, baseline)) if a != b), shorter)
     if position >= shorter:  # one stopped early: not a token-choice divergence
@@ -277,9 +246,6 @@ def divergence_note(found: dict[str, list[dict]]) -> str:
     )
 
 
-# --- reports -----------------------------------------------------------------------------------------------------
-
-
 def instruction_set() -> str:
     """The CPU's widest matrix instructions: AMX, AVX512-BF16, AVX512 or AVX2 (else torch's name for them)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
@@ -303,11 +269,10 @@ def table(columns: list[str], rows: Iterable[Iterable]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]) + "\n"
 
 
-def pyplot():
-    """matplotlib's pyplot, drawing to files only."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def write_results(out: str | Path, text: str, record=None, indent: int | None = None) -> None:
+    """OUT.md holding `text` and, given a `record`, OUT.json holding it; OUT's folder made first."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    if record is not None:
+        out.with_suffix(".json").write_text(json.dumps(record, indent=indent))

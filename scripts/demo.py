@@ -11,21 +11,20 @@ from pathlib import Path
 
 from transformers import TextStreamer
 
-from common import REPO, chat_prompt, divergence, hf_method, load, our_method, parser, table, time_each
+from common import SHIPPED_EAGLE, chat_prompt, divergence, hf_method, load, our_method, parser, table, time_each
 from heads import load_heads
 from inference import PromptLookupDrafter, generate
 from inference.calibrate import calibrated_tree
 from inference.compiled import is_compiled
 from inference.target import dtype_name
 
-SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"
 PROMPT = "Explain in a short paragraph why the sky is blue, then list three everyday examples of light scattering."
 
 
 def main(argv=None):
     p = parser(__doc__)
     p.add_argument("prompt", nargs="?", default=PROMPT)
-    p.add_argument("--heads", default=str(SHIPPED), help="head checkpoint directory (default: the shipped EAGLE head)")
+    p.add_argument("--heads", default=str(SHIPPED_EAGLE), help="head checkpoint (default: the shipped EAGLE head)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 if faster")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="our passes compiled")

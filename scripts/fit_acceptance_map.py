@@ -1,15 +1,14 @@
-"""Fit a head's map from its draft probabilities to the target's acceptance (inference.acceptance_map) on
-held-out prompts, and write it into the checkpoint's config.json.
+"""Fit a head's map from its draft probabilities to the target's acceptance (inference.acceptance_map) on held-out
+prompts, and write it into the checkpoint's config.json.
 
     python scripts/questions.py heldout --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
         --out /tmp/heldout.jsonl
     python scripts/fit_acceptance_map.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
 
-The head decodes each question's first turn greedily with a fixed dynamic tree and its own scores; every step's grown
-drafts are kept and marked by whether the target wrote their path. The map is fitted (logistic regression) on the
-drafts whose parent the target wrote; replaying the recorded steps estimates the drafts the old and the new scores
-would each have got accepted. Use prompts the head did not train on, not the dev set. For every head that grows
-dynamic trees (EAGLE, early exit, sequential Medusa); docs/training.md has more.
+The head decodes each first turn greedily with a fixed dynamic tree, keeping every step's drafts and whether the target
+wrote their path; the map is fitted (logistic regression) on the drafts whose parent the target wrote, and replaying
+the steps estimates the drafts the old and new scores get accepted. Use prompts the head did not train on, not dev.
+For every head that grows dynamic trees (EAGLE, early exit, sequential Medusa); docs/training.md has more.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """A prepared check for one GPU: is the engine exact there, how fast is it, and where does its time go?
 
-    .venv/bin/python scripts/gpu_check.py            # on a GPU, about 8 minutes: docs/results/gpu-<card>.md
+    .venv/bin/python scripts/gpu_check.py            # on a GPU: docs/results/gpu-<card>.md
     .venv/bin/python scripts/gpu_check.py --dry-run  # the same code paths on the CPU, tiny random models
 
 Sections 1-4 are scripts/benchmark.py runs (RUNS) on the dev set's first question of each category: HF generate()
-against the default call with the shipped EAGLE and Medusa heads and a fixed tree, float32 (outputs identical),
-bfloat16 eager and compiled (divergences proven near-ties), batches. 5: a Llama-3.1-8B-shaped model with random
-weights driven by a drafter replaying a trained head's accepted lengths. 6: host synchronisations per decode step.
-The dry run saves a tiny random Llama (the target's tokenizer) and random heads; tests/test_gpu_check.py runs it.
+against the default call with the shipped EAGLE and Medusa heads and a fixed tree, float32, bfloat16 eager and
+compiled, batches. 5: a Llama-3.1-8B-shaped model with random weights, a drafter replaying a trained head's accepted
+lengths. 6: host synchronisations per decode step.
 """
 
 from __future__ import annotations
@@ -73,12 +72,12 @@ LLAMA_8B_SHAPE = dict(  # Llama-3.1-8B's config.json
 TINY_SHAPE = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
 )
-# ACCEPTED_LENGTHS[n]: how many drafting steps accepted exactly n drafted tokens in
-# docs/results/dev2-aoti-head-default-bf16-epyc (the CPU stage-2 EAGLE head through the default call, bfloat16,
-# compiled; 38 turns), from the record's accepted_to_depth counts: 2.18 drafts accepted a step on average.
+# ACCEPTED_LENGTHS[n]: the steps that accepted exactly n drafts in docs/results/dev2-aoti-head-default-bf16-epyc (the
+# CPU stage-2 EAGLE head's default call, bfloat16, compiled), from the record's accepted_to_depth counts
 ACCEPTED_LENGTHS = (278, 633, 191, 87, 49, 70, 8, 18, 22, 8, 94)
 REPLAY_DEPTH = len(ACCEPTED_LENGTHS) - 1  # deep enough for the longest accepted length recorded
 REPLAY_ROUNDS = 4  # runs of a prompt at most, until the loop reproduces the continuation it replays
+DRY_RUN_NOTE = "\n**Dry run**: tiny random-weight models on the CPU; the figures check the script, not the engine.\n"
 DRY_RUN_QUESTIONS = (
     '{"question_id": 1, "category": "writing", "turns": ["Write a short poem about the sea."]}',
     '{"question_id": 2, "category": "code", "turns": ["Write a Python function that reverses a list."]}',
@@ -99,9 +98,8 @@ def random_llama(shape: dict, device, dtype: torch.dtype, *, vocab: int, eos: in
 
 
 def tiny_checkpoints(folder: Path) -> tuple[Path, dict[str, Path]]:
-    """The dry run's target, saved with the embedded target's tokenizer: a random Llama whose logits are spread
-    enough that float32 argmaxes are never near-ties (tests/conftest.py's); and random heads for it, the EAGLE head
-    like the shipped one (a low layer's features beside the last, a copy input and a draft vocabulary)."""
+    """The dry run's target (a random Llama with the embedded target's tokenizer, its logits spread enough for no
+    float32 near-ties) and random heads for it, the EAGLE head shaped like the shipped one."""
     tokenizer, target = AutoTokenizer.from_pretrained(default_model_dir()), folder / "target"
     eos = tokenizer.eos_token_id
     model = random_llama(TINY_SHAPE, "cpu", torch.float32, vocab=len(tokenizer), eos=eos, seed=0, init=0.15)
@@ -118,14 +116,10 @@ def tiny_checkpoints(folder: Path) -> tuple[Path, dict[str, Path]]:
     return target, {kind: save_heads(h, folder / kind, model, dtype=torch.float32) for kind, h in heads.items()}
 
 
-# --- 5. the engine at scale --------------------------------------------------------------------------------------
-
-
 class ReplayDrafter(TokenDrafter):
-    """Replays accepted lengths: a chain of `depth` tokens a step whose first n are the true continuation and the rest
-    wrong, n drawn from `lengths` (lengths[n]: how often n were accepted). A random-weight model has no trained head,
-    but the target then accepts exactly n drafts a step, as with one, so the engine runs at a head's pace. Like
-    OracleDrafter it knows the answer: `continuation` is the whole expected sequence, prompt included."""
+    """Replays accepted lengths: a chain of `depth` tokens a step whose first n are the true continuation (the whole
+    expected sequence, prompt included) and the rest wrong, n drawn from `lengths` (lengths[n]: how often n were
+    accepted), so that a random-weight target runs at a trained head's pace."""
 
     def __init__(self, continuation: torch.Tensor, depth: int, vocab_size: int, lengths=ACCEPTED_LENGTHS, seed=0):
         self.continuation, self.depth, self.vocab_size = continuation, depth, vocab_size
@@ -149,10 +143,9 @@ def expected_accepted(lengths: Sequence[int], depth: int) -> float:
 
 
 def replayed_run(model, prompt: torch.Tensor, reference: list[int], limit: int, seed: int):
-    """(our loop's output replaying accepted lengths on `prompt`, its seconds, runs, whether it reproduced what it
-    replayed). A bfloat16 pass over a chain does not round like HF's one-token passes, so the loop may part from HF's
-    continuation at a near-tie, after which every replayed "true" token would be wrong; the run is then repeated with
-    the loop's own output as the continuation until it reproduces it, and the last run counts."""
+    """(our loop's output replaying accepted lengths, its seconds, runs, whether it reproduced what it replayed). A
+    bfloat16 chain pass may part from HF's continuation at a near-tie, making every later replayed token wrong: the
+    run is then repeated on the loop's own output until it reproduces it, and the last run counts."""
     truth = reference
     for runs in range(1, REPLAY_ROUNDS + 1):
         continuation = torch.cat([prompt, torch.tensor(truth, dtype=torch.long)]).to(model.device)
@@ -170,6 +163,7 @@ def replayed_run(model, prompt: torch.Tensor, reference: list[int], limit: int, 
 
 
 def scale(args, device: torch.device) -> str:
+    """Section 5: HF generate() and our loop, replaying accepted lengths, on a Llama-3.1-8B-shaped model."""
     shape, vocab, length, count = (TINY_SHAPE, 97, 12, 2) if args.dry_run else (LLAMA_8B_SHAPE, 128256, 128, 8)
     model, build_seconds = timed(lambda: random_llama(shape, device, torch.bfloat16, vocab=vocab, eos=None, seed=2))
     generator, limit = torch.Generator().manual_seed(0), args.max_new_tokens
@@ -219,10 +213,8 @@ def scale(args, device: torch.device) -> str:
     )
 
 
-# --- 6. host synchronisations ------------------------------------------------------------------------------------
-
-
 def syncs(args, device: torch.device, target: str | None, heads: dict[str, Path], questions: Path) -> str:
+    """Section 6: the host synchronisations of the default call, plain decoding and the fixed tree, and of HF's."""
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # bfloat16 is emulated on many CPUs
     model, tokenizer, head = load(target, heads["eagle"], dtype=dtype, device=device, compile=False)
     prompt, limit = chat_prompt(tokenizer, read_questions(questions, 1)[0]["turns"][:1]), args.max_new_tokens
@@ -259,9 +251,6 @@ def syncs(args, device: torch.device, target: str | None, heads: dict[str, Path]
         f"repository, the innermost line of ours that led there):\n\n{ours.rows(steps)}\nThe fixed tree's:\n\n"
         + tree.rows(tree_steps)
     )
-
-
-# --- the report --------------------------------------------------------------------------------------------------
 
 
 def arguments(argv):
@@ -318,11 +307,7 @@ def main(argv: list[str] | None = None) -> Path:
         f"# GPU check: {machine}\n\n{line}  \nMachine: {machine}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
         f"{f' (CUDA {torch.version.cuda})' if torch.version.cuda else ''}, transformers {transformers.__version__}; "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC.  \nThe run took {sum(timings.values()):.0f} s ({took}).\n"
-        + (
-            "\n**Dry run**: tiny random-weight models on the CPU; the figures check the script, not the engine.\n"
-            if args.dry_run
-            else ""
-        )
+        + (DRY_RUN_NOTE if args.dry_run else "")
         + "".join(f"\n## {title}\n\n{body.rstrip()}\n" for title, body in bodies.items())
     )
     out.parent.mkdir(parents=True, exist_ok=True)

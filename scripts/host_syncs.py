@@ -1,6 +1,5 @@
-"""Counting host synchronisations by source line (scripts/gpu_check.py's last section): on CUDA, the warnings of
-torch.cuda.set_sync_debug_mode("warn") (recording_syncs); on any device, the calls that read a tensor's values back to
-Python, each of which synchronises a GPU (recording_host_reads), so that the CPU can stand in for one."""
+"""Host synchronisations by source line (gpu_check.py's section 6): on CUDA, set_sync_debug_mode("warn")'s warnings
+(recording_syncs); on any device, the reads of tensor values back to Python, each a GPU sync (recording_host_reads)."""
 
 from __future__ import annotations
 
@@ -46,16 +45,8 @@ class SyncRecorder:
 
     def add(self, filename: str, lineno: int, stack: traceback.StackSummary) -> None:
         """One synchronisation made at filename:lineno, `stack` the frames that led there."""
-        origin = next(
-            (
-                frame
-                for frame in reversed(stack)
-                if is_ours(frame.filename)
-                and (frame.filename, frame.lineno) != (filename, lineno)
-                and Path(frame.filename).resolve().parent != SCRIPTS
-            ),
-            None,
-        )
+        ours = (f for f in reversed(stack) if is_ours(f.filename) and Path(f.filename).resolve().parent != SCRIPTS)
+        origin = next((f for f in ours if (f.filename, f.lineno) != (filename, lineno)), None)
         via = f"{shown_path(origin.filename)}:{origin.lineno}" if origin is not None and not is_ours(filename) else ""
         self.sources[f"{shown_path(filename)}:{lineno}", via] += 1
 
@@ -73,15 +64,13 @@ def is_upload(name: str, args: tuple, kwargs: dict) -> bool:
     made from values with a device named, or `.to(device)` without non_blocking."""
     if name not in UPLOADS or kwargs.get("non_blocking"):
         return False
-    if name != "to":
-        return kwargs.get("device") is not None
-    return kwargs.get("device") is not None or any(isinstance(arg, (torch.device, str)) for arg in args[1:])
+    positional = name == "to" and any(isinstance(arg, (torch.device, str)) for arg in args[1:])  # .to("cuda")
+    return kwargs.get("device") is not None or positional
 
 
 class HostReadRecorder(torch.overrides.TorchFunctionMode):
-    """Counts, on any device, the calls that read a tensor's values back to Python (tolist, item, bool(), nonzero, a
-    boolean mask as an index...) and, from this repository's code, those that copy host values to a device
-    synchronously (is_upload), into a SyncRecorder."""
+    """Counts, on any device, the calls that read a tensor's values back to Python (HOST_READS, a boolean mask as an
+    index) and, from this repository's code, synchronous copies to a device (is_upload), into a SyncRecorder."""
 
     def __init__(self, recorder: SyncRecorder):
         super().__init__()
@@ -96,10 +85,8 @@ class HostReadRecorder(torch.overrides.TorchFunctionMode):
         upload = is_upload(name, args, kwargs or {})
         if name in HOST_READS or masked or upload:
             stack = traceback.extract_stack()[:-1]
-            caller = next(
-                (frame for frame in reversed(stack) if not Path(frame.filename).resolve().is_relative_to(TORCH_DIR)),
-                stack[-1],
-            )
+            outside = (f for f in reversed(stack) if not Path(f.filename).resolve().is_relative_to(TORCH_DIR))
+            caller = next(outside, stack[-1])  # the innermost frame outside torch
             # ours only: on the CPU a library's .to(device) of a device tensor looks like an upload (a GPU sees all)
             if not upload or is_ours(caller.filename):
                 self.recorder.add(caller.filename, caller.lineno, stack)

