@@ -245,7 +245,7 @@ def test_a_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(chat_mo
     first = {"prompt": "the cat", "max_tokens": 100, "temperature": 0, "stream": True}
     assert len(generate(model, None, first["prompt"], tokenizer=tokenizer, max_new_tokens=3).token_ids) == 3
     gate = Gate()
-    app = server_app(model, tokenizer, gate, fallback=False, batch_size=1, queue_size=1)
+    app = server_app(model, tokenizer, gate, fallback=False, batch_size=1, queue_size=1, warm_batch=False)
     sampled = {"prompt": "a lazy dog", "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": 11, "stream": True}
     reference = generate(
         model, None, sampled["prompt"], tokenizer=tokenizer, max_new_tokens=8, temperature=1.0, top_p=0.9, seed=11
@@ -332,7 +332,7 @@ class FailsOnce(TokenDrafter):
 
 def test_a_fault_in_decoding_ends_its_requests_with_an_error_and_the_server_goes_on(chat_model):
     model, tokenizer = chat_model
-    app = server_app(model, tokenizer, FailsOnce(), fallback=False, batch_size=2)
+    app = server_app(model, tokenizer, FailsOnce(), fallback=False, batch_size=2, warm_batch=False)
     body = {"prompt": "the old moon", "max_tokens": 5, "temperature": 0}
     reference = generate(model, None, body["prompt"], tokenizer=tokenizer, max_new_tokens=5)
     assert len(reference.token_ids) > 1  # so its row drafts

@@ -30,12 +30,14 @@ def server_app(
     queue_size: int = 64,
     name: str | None = None,
     decoding_thread: bool = True,
+    warm_batch: bool = True,
 ):
     """The ASGI app serving `model` (and its `heads`, as generate() takes them) to at most `batch_size` requests at
     once, `queue_size` more waiting; its lifespan starts and stops the decoding thread (run it with uvicorn).
     decoding_thread=False: no thread of its own; the caller runs `app.state.batcher.run()` (python -m inference.serve
     does, on the main thread, with uvicorn in another): on a CPU, a decoding thread beside the thread that did the
-    process's torch work runs 2-4x slower (batcher.Batcher says why)."""
+    process's torch work runs 2-4x slower (batcher.Batcher says why). warm_batch: decode a full batch of made-up
+    prompts before the first request (Batcher.warm_up)."""
     for option, value in (("batch_size", batch_size), ("queue_size", queue_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{option} must be a positive integer, got {value!r}")
@@ -43,5 +45,7 @@ def server_app(
     warm_up(model, heads)
     # the plan generate() makes for a batch of that many rows (one row: for one prompt)
     chosen = plan(model, heads, tree, lookup, fallback, batch=None if batch_size == 1 else (batch_size, batch_size))
-    batcher = Batcher(model, chosen, eos_ids(model), batch_size, queue_size, Metrics(batch_size), decoding_thread)
+    batcher = Batcher(
+        model, chosen, eos_ids(model), batch_size, queue_size, Metrics(batch_size), decoding_thread, warm_batch
+    )
     return create_app(batcher, tokenizer, name or model.config._name_or_path)

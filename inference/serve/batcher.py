@@ -21,10 +21,14 @@ from heads.attention import grouped_attention
 
 from .. import loop
 from ..accept import Sampling
+from ..fallback import Fallback
 from ..generate import Plan
 from .metrics import Metrics
 
 log = logging.getLogger("inference.serve")
+# seconds: requests arriving closer together than BURST_GAP are admitted as one burst, waiting BURST_WAIT at most
+BURST_GAP, BURST_WAIT = 0.003, 0.02
+WARM_UP_TOKENS = 128  # each made-up prompt of the warm-up (Batcher.warm_up)
 
 
 class QueueFull(Exception):
@@ -74,13 +78,14 @@ class Batcher:
         queue_size: int,
         metrics: Metrics,
         own_thread: bool = True,
+        warm_batch: bool = True,
     ):
         self.model, self.plan, self.eos, self.batch_size, self.queue_size = model, plan, eos, batch_size, queue_size
         self.metrics = metrics
         # own_thread=False: the caller runs `run` itself, on the thread that did the process's first torch work. On
         # a CPU, OpenMP's threads of a second thread's parallel regions outnumber the cores, wait without spinning
         # and ran the loop 2-4x slower (docs/usage.md#the-server).
-        self.own_thread, self.serving = own_thread, False
+        self.own_thread, self.warm_batch, self.serving = own_thread, warm_batch, False
         self.state = loop.start(model, plan.drafter, eos, plan.fallback, batch_size)
         self.lock = threading.Condition()
         self.inbox: list[Job] = []  # submitted, not yet in the loop's queue
@@ -134,6 +139,8 @@ class Batcher:
     def run(self) -> None:
         try:
             with torch.inference_mode(), grouped_attention(self.model):
+                if self.warm_batch:
+                    self.warm_up()
                 while self.take_arrivals():
                     try:
                         self.admit_arrivals()
@@ -146,11 +153,25 @@ class Batcher:
             self.stopping = True
             self.fail_all(Stopped("the server's decoding thread ended before this request did"))
 
+    def warm_up(self) -> None:
+        """Decode a full batch of made-up prompts (WARM_UP_TOKENS each) a few steps, as the server's first requests
+        would: the first burst of clients then finds the passes and the memory allocator warm (its first prefill of a
+        full batch took twice as long), and no one's decoding pays for it. Its steps do not teach the fallback."""
+        length = min(WARM_UP_TOKENS, self.model.config.max_position_embeddings // 2)
+        generator = torch.Generator().manual_seed(0)
+        state = loop.start(self.model, self.plan.drafter, self.eos, Fallback(enabled=False), self.batch_size)
+        for _ in range(self.batch_size):
+            prompt = torch.randint(self.model.config.vocab_size, (length,), generator=generator)
+            loop.add(state, prompt.to(self.model.device), 4, Sampling())
+        while loop.step(state):
+            pass
+
     def take_arrivals(self) -> bool:
         """Wait for work, then queue the requests that arrived in the loop; False when the server stops."""
         with self.lock:
             while not (self.inbox or self.state.waiting or self.state.active or self.stopping):
                 self.lock.wait()
+            self.wait_for_the_burst()
             if self.stopping:
                 return False
             for job in self.inbox:
@@ -159,6 +180,17 @@ class Batcher:
             self.inbox.clear()
             self.jobs = {key: job for key, job in self.jobs.items() if not job.cancelled}
             return True
+
+    def wait_for_the_burst(self) -> None:
+        """While requests arrive less than BURST_GAP apart and rows are free, wait for the next (BURST_WAIT at most):
+        clients that send at once share one prefill instead of each waiting for the prefills started before it."""
+        deadline = time.perf_counter() + BURST_WAIT
+        while self.inbox and not self.stopping and len(self.jobs) + len(self.inbox) < self.batch_size:
+            now = time.perf_counter()
+            quiet = min(self.inbox[-1].arrived + BURST_GAP, deadline) - now
+            if quiet <= 0:
+                return
+            self.lock.wait(quiet)
 
     def admit_arrivals(self) -> None:
         """Prefill the requests that arrived, and those that arrive meanwhile while rows are free, before the batch
