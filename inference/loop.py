@@ -26,10 +26,11 @@ import torch
 
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
 from .cache import append_rows, keep_paths, keep_rows, new_cache
-from .compiled import decoding_pass
+from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
 from .drafters import Drafter, drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
+from .prefix import MIN_PREFIX, Prefix, causal_suffix_mask, shared_length
 from .stats import GenerationStats
 from .transfer import to_device
 from .tree import (
@@ -87,6 +88,8 @@ class Decoding:
     waiting: list[Row] = field(default_factory=list)  # rows not started yet, in order
     active: list[Row] = field(default_factory=list)  # the rows decoding, in the cache's row order
     cache: object = None
+    prefix: Prefix | None = None  # what the last prompts shared (inference.prefix), kept for those to come
+    last_prompt: list[torch.Tensor] = field(default_factory=list)  # the prompt admitted last, if any
     to_observe: tuple[list, list] = field(
         default_factory=lambda: ([], [])
     )  # hidden states and committed tokens the drafter has not seen yet, one of each for every active row
@@ -205,7 +208,8 @@ def admit(state: Decoding) -> None:
         room = state.batch_size - len(state.active)
         rows, state.waiting = state.waiting[:room], state.waiting[room:]
         started = time.perf_counter()
-        cache, last_logits, hidden = prefill(state.model, [row.text[: row.length] for row in rows], state.drafter)
+        texts = [row.text[: row.length] for row in rows]
+        cache, last_logits, hidden = prefill(state.model, texts, state.drafter, shared_prefix(state, texts))
         spent = time.perf_counter() - started
         going = []
         for slot, row in enumerate(rows):
@@ -234,6 +238,27 @@ def admit(state: Decoding) -> None:
         state.fallback.prompt_joined()
 
 
+def shared_prefix(state: Decoding, prompts: list[torch.Tensor]) -> Prefix | None:
+    """The prefix these prompts start with (state.prefix), learnt anew, by a pass of its own, when they share
+    MIN_PREFIX tokens or more with each other or the prompt admitted before them; None: prefill them whole."""
+    seen, state.last_prompt = prompts + state.last_prompt, prompts[-1:]
+    if any(prompt.shape[0] > COMPILED_PREFILL_TOKENS for prompt in prompts):  # long prompts: no masks (prefill)
+        return None
+    if state.prefix is not None and all(state.prefix.starts(prompt) for prompt in prompts):
+        return state.prefix
+    if len(seen) < 2:
+        return None
+    # each prompt computes one token at least
+    shared = min(shared_length(seen), *(prompt.shape[0] - 1 for prompt in prompts))
+    if shared < MIN_PREFIX:
+        return None
+    cache, _, hidden = prefill(state.model, [prompts[0][:shared]], state.drafter)
+    keys = [layer.keys.clone() for layer in cache.layers]
+    values = [layer.values.clone() for layer in cache.layers]
+    state.prefix = Prefix(prompts[0][:shared].clone(), keys, values, hidden[0])
+    return state.prefix
+
+
 def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dtype):
     """Right-padded prompts: input_ids [B, P], position_ids [B, P] and an additive mask [B, 1, P, P] (causal
     within each prompt; a padding position sees only itself), or None when no prompt is padded (the model's own
@@ -249,22 +274,30 @@ def prefill_inputs(prompts: list[torch.Tensor], pad_token: int, dtype: torch.dty
     return ids, positions, right_padded_mask(to_device(sizes, device), width, dtype)
 
 
-def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
+def prefill(model, prompts: list[torch.Tensor], drafter: Drafter, prefix: Prefix | None = None):
     """Every prompt through the target, in groups of similar lengths (prefill_groups): returns the batch's cache
     (row b's prompt in entries [0, len_b)), each prompt's last logits [B, V], and each row's hidden states at the
     drafter's layers ({layer: [len_b, H]}). Through the compiled package when the model has one (prompts up to
-    inference.compiled.COMPILED_PREFILL_TOKENS long), computing the logits of each prompt's last token only."""
+    inference.compiled.COMPILED_PREFILL_TOKENS long), computing the logits of each prompt's last token only. With a
+    `prefix` every prompt starts with, its entries are copied in and only the tokens after it computed."""
     layers = drafter.hidden_layers
+    skip = 0 if prefix is None else prefix.length
     lengths = [p.shape[0] for p in prompts]
     width, count = max(lengths), len(prompts)
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     keys, values, last_logits, hidden = None, None, [None] * count, [None] * count
-    for group in prefill_groups(lengths):
+    for group in prefill_groups([length - skip for length in lengths]):
         # token 0 pads: any token would do, padding is masked off
-        ids, positions, mask = prefill_inputs([prompts[row] for row in group], 0, model.dtype)
-        ends = to_device([lengths[row] - 1 for row in group], ids.device)
-        last = to_device(sorted({lengths[row] - 1 for row in group}), ids.device)  # only these logits are computed
+        ids, positions, mask = prefill_inputs([prompts[row][skip:] for row in group], 0, model.dtype)
+        ends = to_device([lengths[row] - skip - 1 for row in group], ids.device)
+        last = to_device(sorted({lengths[row] - skip - 1 for row in group}), ids.device)  # only these logits
         group_cache = new_cache(model)
+        if prefix is not None:
+            prefix.fill(group_cache, len(group))
+            positions = positions + skip
+            if mask is None:
+                mask = causal_suffix_mask(len(group), ids.shape[1], model.dtype, ids.device)
+            mask = prefix.mask(mask)
         out = decoding_pass(model)(
             input_ids=ids,
             position_ids=positions,
@@ -286,11 +319,13 @@ def prefill(model, prompts: list[torch.Tensor], drafter: Drafter):
             ]
         index = to_device(group, ids.device)
         for layer, (k, v) in enumerate(zip(keys, values)):
-            k[index, :, : ids.shape[1]] = group_cache.layers[layer].keys
-            v[index, :, : ids.shape[1]] = group_cache.layers[layer].values
+            k[index, :, : skip + ids.shape[1]] = group_cache.layers[layer].keys
+            v[index, :, : skip + ids.shape[1]] = group_cache.layers[layer].values
         for slot, row in enumerate(group):
             last_logits[row] = out.logits[slot, columns[slot]]
-            hidden[row] = {layer: out.hidden_states[layer][slot, : lengths[row]] for layer in layers}
+            hidden[row] = {layer: out.hidden_states[layer][slot, : lengths[row] - skip] for layer in layers}
+            if prefix is not None:
+                hidden[row] = {layer: torch.cat([prefix.hidden[layer], hidden[row][layer]]) for layer in layers}
     cache = new_cache(model)
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(k, v, layer)

@@ -469,3 +469,20 @@ def test_requests_that_arrive_during_a_prefill_get_their_first_token_before_the_
         assert job.row.length == job.row.prompt_length + 1
     assert first.row is batcher.state.active[0]
     batcher.stop()
+
+
+def test_the_warm_up_computes_what_chat_prompts_start_with(chat_model):
+    from inference.generate import eos_ids, plan
+    from inference.serve import chat_start
+    from inference.serve.batcher import Batcher
+    from inference.serve.metrics import Metrics
+
+    model, tokenizer = chat_model
+    start = chat_start(tokenizer)
+    assert start and start == chat_ids(tokenizer, "a river")[: len(start)]
+    start = list(range(4, 24))  # a longer system prompt than the tiny template's
+    chosen = plan(model, None, None, None, True, batch=(2, 2))
+    batcher = Batcher(model, chosen, eos_ids(model), 2, 4, Metrics(2), own_thread=False, prompt_start=start)
+    with torch.inference_mode():
+        batcher.warm_up()
+    assert batcher.state.prefix.tokens.tolist() == start

@@ -9,8 +9,11 @@ are Prometheus's (inference.serve.metrics). Greedy answers in float32 are what g
 
 from __future__ import annotations
 
+import torch
+
 from ..compiled_heads import warm_up
 from ..generate import check_model, eos_ids, plan
+from ..prefix import shared_length
 from .app import create_app
 from .batcher import Batcher
 from .metrics import Metrics
@@ -45,7 +48,19 @@ def server_app(
     warm_up(model, heads)
     # the plan generate() makes for a batch of that many rows (one row: for one prompt)
     chosen = plan(model, heads, tree, lookup, fallback, batch=None if batch_size == 1 else (batch_size, batch_size))
+    metrics, start = Metrics(batch_size), chat_start(tokenizer)
     batcher = Batcher(
-        model, chosen, eos_ids(model), batch_size, queue_size, Metrics(batch_size), decoding_thread, warm_batch
+        model, chosen, eos_ids(model), batch_size, queue_size, metrics, decoding_thread, warm_batch, start
     )
     return create_app(batcher, tokenizer, name or model.config._name_or_path)
+
+
+def chat_start(tokenizer) -> list[int]:
+    """The tokens every chat prompt starts with (the template's system prompt, the user's turn), [] without one."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return []
+    one, other = (
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        for messages in ([{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}])
+    )
+    return one[: shared_length([torch.tensor(one), torch.tensor(other)])]

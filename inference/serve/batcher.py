@@ -79,6 +79,7 @@ class Batcher:
         metrics: Metrics,
         own_thread: bool = True,
         warm_batch: bool = True,
+        prompt_start: list[int] = (),
     ):
         self.model, self.plan, self.eos, self.batch_size, self.queue_size = model, plan, eos, batch_size, queue_size
         self.metrics = metrics
@@ -86,6 +87,7 @@ class Batcher:
         # a CPU, OpenMP's threads of a second thread's parallel regions outnumber the cores, wait without spinning
         # and ran the loop 2-4x slower (docs/usage.md#the-server).
         self.own_thread, self.warm_batch, self.serving = own_thread, warm_batch, False
+        self.prompt_start = list(prompt_start)  # what the server's prompts start with (its chat template's start)
         self.state = loop.start(model, plan.drafter, eos, plan.fallback, batch_size)
         self.lock = threading.Condition()
         self.inbox: list[Job] = []  # submitted, not yet in the loop's queue
@@ -154,17 +156,20 @@ class Batcher:
             self.fail_all(Stopped("the server's decoding thread ended before this request did"))
 
     def warm_up(self) -> None:
-        """Decode a full batch of made-up prompts (WARM_UP_TOKENS each) a few steps, as the server's first requests
-        would: the first burst of clients then finds the passes and the memory allocator warm (its first prefill of a
-        full batch took twice as long), and no one's decoding pays for it. Its steps do not teach the fallback."""
-        length = min(WARM_UP_TOKENS, self.model.config.max_position_embeddings // 2)
+        """Decode a full batch of made-up prompts (WARM_UP_TOKENS each, after `prompt_start`) a few steps, as the
+        server's first requests would: the first burst of clients then finds the passes and the memory allocator
+        warm (its first prefill of a full batch took twice as long) and the prompts' shared start computed, and no
+        one's decoding pays for it. Its steps do not teach the fallback."""
+        start = torch.tensor(self.prompt_start, dtype=torch.long)
+        size = max(min(WARM_UP_TOKENS, self.model.config.max_position_embeddings // 2) - len(start), 16)
         generator = torch.Generator().manual_seed(0)
         state = loop.start(self.model, self.plan.drafter, self.eos, Fallback(enabled=False), self.batch_size)
         for _ in range(self.batch_size):
-            prompt = torch.randint(self.model.config.vocab_size, (length,), generator=generator)
+            prompt = torch.cat([start, torch.randint(self.model.config.vocab_size, (size,), generator=generator)])
             loop.add(state, prompt.to(self.model.device), 4, Sampling())
         while loop.step(state):
             pass
+        self.state.prefix = state.prefix  # the start prompts share (a chat template's system prompt), computed
 
     def take_arrivals(self) -> bool:
         """Wait for work, then queue the requests that arrived in the loop; False when the server stops."""
