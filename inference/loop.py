@@ -6,7 +6,8 @@ are stale (a shorter row's padding, rejected drafts) and every query is masked o
 trees at the same cache index (padded to the largest tree; a padding node sees only itself, so nothing is ever
 computed from nothing); each row's accepted path then moves to its own `cached[b]`, and the cache is cropped to the
 longest row. Rows that finish leave the batch and stop costing work; while prompts wait beyond the batch size, the
-next ones are prefilled and join it (their cache rows appended, padded with masked entries).
+next ones are prefilled and join it (their cache rows appended, padded with masked entries); the tokens prompts
+share (a chat template's system prompt) are computed once and copied into each row (shared_prefix).
 
 The loop is driven a step at a time: `start` makes the state, `add` queues a prompt (its own max_new_tokens,
 sampling, generator and a callback receiving its tokens as they are committed), `step` decodes one step (admitting
