@@ -203,40 +203,49 @@ def commit(state: Decoding, row: Row, new: torch.Tensor, host_new: list[int]) ->
 
 
 def admit(state: Decoding) -> None:
-    """While there is room in the batch and prompts wait: prefill the next ones, commit each one's first token, and
-    add those that go on to the batch (their cache rows, and the drafter's)."""
+    """While there is room in the batch and prompts wait: prefill the next ones, a group of similar lengths at a time
+    (prefill_groups), shortest first: a long prompt does not hold back the first tokens of short ones beside it."""
     while state.waiting and len(state.active) < state.batch_size:
         room = state.batch_size - len(state.active)
         rows, state.waiting = state.waiting[:room], state.waiting[room:]
-        started = time.perf_counter()
         texts = [row.text[: row.length] for row in rows]
-        cache, last_logits, hidden = prefill(state.model, texts, state.drafter, shared_prefix(state, texts))
-        spent = time.perf_counter() - started
-        going = []
-        for slot, row in enumerate(rows):
-            row.stats.target_seconds += spent
-            row.stats.target_forwards += 1
-            first = target_tokens(last_logits[slot][None], row.sampling, row.generator)
-            row.stats.time_to_first_token = time.perf_counter() - row.started
-            if not commit(state, row, first, first.tolist()):
-                going.append(slot)
-        if not going:  # every one of them ended at its first token
-            continue
-        if len(going) < len(rows):
-            keep_rows(cache, to_device(going, last_logits.device))
-            cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
-        if state.active:
-            append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
-        else:  # the batch starts afresh: a new cache, and a drafter with no rows
-            state.cache = cache
-            state.drafter.reset(0)
-        for slot in going:
-            rows[slot].cached = rows[slot].prompt_length
-            state.to_observe[0].append(hidden[slot])
-            state.to_observe[1].append(rows[slot].text[1 : rows[slot].length])
-        state.active += [rows[slot] for slot in going]
-        _timed(state, state.drafter.add_rows, len(going))
-        state.fallback.prompt_joined()
+        prefix = shared_prefix(state, texts)
+        skip = 0 if prefix is None else prefix.length
+        for group in reversed(prefill_groups([text.shape[0] - skip for text in texts])):
+            join(state, [rows[slot] for slot in group], [texts[slot] for slot in group], prefix)
+
+
+def join(state: Decoding, rows: list[Row], texts: list[torch.Tensor], prefix: Prefix | None) -> None:
+    """Prefill `rows`, commit each one's first token, and add those that go on to the batch (their cache rows, and
+    the drafter's)."""
+    started = time.perf_counter()
+    cache, last_logits, hidden = prefill(state.model, texts, state.drafter, prefix)
+    spent = time.perf_counter() - started
+    going = []
+    for slot, row in enumerate(rows):
+        row.stats.target_seconds += spent
+        row.stats.target_forwards += 1
+        first = target_tokens(last_logits[slot][None], row.sampling, row.generator)
+        row.stats.time_to_first_token = time.perf_counter() - row.started
+        if not commit(state, row, first, first.tolist()):
+            going.append(slot)
+    if not going:  # every one of them ended at its first token
+        return
+    if len(going) < len(rows):
+        keep_rows(cache, to_device(going, last_logits.device))
+        cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
+    if state.active:
+        append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+    else:  # the batch starts afresh: a new cache, and a drafter with no rows
+        state.cache = cache
+        state.drafter.reset(0)
+    for slot in going:
+        rows[slot].cached = rows[slot].prompt_length
+        state.to_observe[0].append(hidden[slot])
+        state.to_observe[1].append(rows[slot].text[1 : rows[slot].length])
+    state.active += [rows[slot] for slot in going]
+    _timed(state, state.drafter.add_rows, len(going))
+    state.fallback.prompt_joined()
 
 
 def shared_prefix(state: Decoding, prompts: list[torch.Tensor]) -> Prefix | None:

@@ -86,3 +86,30 @@ def test_a_prefill_after_the_prefix_gives_what_a_whole_prefill_gives():
         for ours, whole in zip(cache.layers, whole_cache.layers):
             torch.testing.assert_close(ours.keys[row, :, : len(prompt)], whole.keys[row, :, : len(prompt)])
             torch.testing.assert_close(ours.values[row, :, : len(prompt)], whole.values[row, :, : len(prompt)])
+
+
+def test_a_short_prompt_gets_its_first_token_before_a_long_one_that_came_with_it_is_prefilled():
+    model = tiny_model("llama", eos=None)
+    generator = torch.Generator().manual_seed(3)
+    long, short = (torch.randint(4, model.config.vocab_size, (n,), generator=generator) for n in (240, 20))
+    events = []  # ("first token", prompt length) and ("prefill", tokens) in the order they happen
+
+    def counting(*args, forward=model.forward, **kwargs):
+        if kwargs.get("past_key_values") is None or kwargs["past_key_values"].get_seq_length() == 0:
+            events.append(("prefill", kwargs["input_ids"].shape[1]))
+        return forward(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        state = loop.start(model, NoDrafter(), [], Fallback(enabled=False), batch_size=2)
+        rows = [
+            loop.add(state, p, 4, Sampling(), on_tokens=lambda t, d, n=p.shape[0]: events.append(("token", n)))
+            for p in (long, short)
+        ]
+        with torch.inference_mode():
+            while loop.step(state):
+                pass
+    finally:
+        del model.forward
+    assert events[:4] == [("prefill", 20), ("token", 20), ("prefill", 240), ("token", 240)]
+    assert [row.new_tokens for row in rows] == [hf_greedy(model, long, 4), hf_greedy(model, short, 4)]
