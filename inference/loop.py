@@ -212,6 +212,7 @@ def admit(state: Decoding) -> None:
         prefix = shared_prefix(state, texts)
         skip = 0 if prefix is None else prefix.length
         for group in reversed(prefill_groups([text.shape[0] - skip for text in texts])):
+            group = sorted(group)  # in the order they came
             join(state, [rows[slot] for slot in group], [texts[slot] for slot in group], prefix)
 
 
