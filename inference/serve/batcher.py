@@ -158,7 +158,7 @@ class Batcher:
     def warm_up(self) -> None:
         """Decode a full batch of made-up prompts (WARM_UP_TOKENS each, after `prompt_start`) a few steps, as the
         server's first requests would: the first burst of clients then finds the passes and the memory allocator
-        warm (its first prefill of a full batch took twice as long) and the prompts' shared start computed, and no
+        warm (a cold first prefill of a full batch is far slower) and the prompts' shared start computed, and no
         one's decoding pays for it. Its steps do not teach the fallback."""
         start = torch.tensor(self.prompt_start, dtype=torch.long)
         size = max(min(WARM_UP_TOKENS, self.model.config.max_position_embeddings // 2) - len(start), 16)
