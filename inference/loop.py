@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from heads.eagle import causal_mask
+
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
 from .cache import append_rows, keep_paths, keep_rows, new_cache
 from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
 from .drafters import Drafter, drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
-from .prefix import MIN_PREFIX, Prefix, causal_suffix_mask, shared_length
+from .prefix import MIN_PREFIX, Prefix, shared_length
 from .stats import GenerationStats
 from .transfer import to_device
 from .tree import (
@@ -306,9 +308,10 @@ def prefill(model, prompts: list[torch.Tensor], drafter: Drafter, prefix: Prefix
         if prefix is not None:
             prefix.fill(group_cache, len(group))
             positions = positions + skip
-            if mask is None:
-                mask = causal_suffix_mask(len(group), ids.shape[1], model.dtype, ids.device)
-            mask = prefix.mask(mask)
+            if mask is None:  # no padding: causal over the prefix and the tokens after it
+                mask = causal_mask(ids.shape[1], skip, model.dtype, ids.device).expand(len(group), -1, -1, -1)
+            else:
+                mask = prefix.mask(mask)
         out = decoding_pass(model)(
             input_ids=ids,
             position_ids=positions,

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import additive_mask
-
 MIN_PREFIX = 16  # tokens: prompts sharing fewer are prefilled whole (a shorter prefix saves less than it costs)
 
 
@@ -47,9 +45,3 @@ def shared_length(prompts: list[torch.Tensor]) -> int:
     same = torch.stack([prompt[:shortest] for prompt in prompts]) == prompts[0][:shortest]
     differs = (~same.all(dim=0)).nonzero()
     return shortest if differs.numel() == 0 else int(differs[0, 0])
-
-
-def causal_suffix_mask(rows: int, new: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[rows, 1, new, new] additive causal mask: for a pass whose rows are all `new` tokens long."""
-    allowed = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-    return additive_mask(allowed, dtype)[None, None].expand(rows, -1, -1, -1)
