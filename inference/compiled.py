@@ -10,6 +10,8 @@ its matrix products go through inductor's C++ GEMM template (TEMPLATE_OPTIONS), 
 at about the memory's pace where oneDNN's kernels read them at about half of it. With AMX tiles, in bfloat16, the
 template beats oneDNN at every width (prompts included), so one package serves every pass; elsewhere it falls far
 behind past a few rows, so a second package with oneDNN's products serves passes of more than NARROW_TOKENS tokens.
+Whether the template's narrow package beats oneDNN's at all differs between CPUs without AMX: the first process to
+build it times a one-token pass through each, and keeps it only where it is faster (`narrow_verdict`).
 
 The first use builds the packages in this process, with a progress line, under a lock (inference.store); later
 processes load them in seconds. A package is keyed by a digest of every weight, so changed weights get their own.
@@ -20,6 +22,8 @@ passes after one warning that says what happened and what to do. Measured costs:
 from __future__ import annotations
 
 import contextlib
+import json
+import statistics
 import sys
 import threading
 import time
@@ -32,8 +36,10 @@ from tqdm import tqdm
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from heads.eagle import causal_mask
+from heads.files import written_atomically
 
 from . import store
+from .cache import new_cache
 from .passes import cache_shapes, export_decoding_pass, logits_positions, stores_with_room, take_entries
 
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0,
@@ -186,6 +192,8 @@ class CompiledPasses:
 
         runners = []
         for number, (path, options) in enumerate(packages):
+            if number == 1 and _recorded_verdict(path) is False:
+                break  # timed against oneDNN's on this machine, and slower
             what = self.what if number == 0 else f"the package for passes of up to {NARROW_TOKENS} tokens"
             try:
                 runners.append(_load_or_build(path, exported, options, what, verbose))
@@ -204,12 +212,68 @@ class CompiledPasses:
                 return self._fail(problem)
             warnings.warn(f"{what} is not compiled ({problem}); those passes run through the other one", stacklevel=5)
         self.runner, self.narrow_runner = runners[0], (runners[1] if len(runners) > 1 else None)
+        if self.narrow_runner is not None and not narrow_verdict(self, packages[1][0]):
+            self.narrow_runner, runners = None, runners[:1]
         self.paths = [path for path, _ in packages[: len(runners)]]
 
     def _fail(self, reason: str) -> None:
         """Run eagerly from now on, after one warning naming the reason."""
         self.failed = reason
         warnings.warn(f"compiling failed on {type(self.module).__name__} ({reason}); running it eagerly", stacklevel=5)
+
+
+def narrow_verdict(passes: CompiledPasses, narrow_path: Path) -> bool:
+    """Whether the narrow package's one-token pass beats the other package's on this machine: recorded beside the
+    narrow package, or timed now (both loaded in `passes`) and recorded."""
+    known = _recorded_verdict(narrow_path)
+    if known is not None:
+        return known
+    narrow, other = one_token_seconds(passes)
+    with contextlib.suppress(OSError), written_atomically(_verdict_path(narrow_path)) as staging:
+        staging.write_text(json.dumps({"narrow_ms": 1e3 * narrow, "other_ms": 1e3 * other}))
+    return narrow < other
+
+
+def one_token_seconds(passes: CompiledPasses, rounds: int = 15) -> tuple[float, float]:
+    """Median seconds of a one-row, one-token pass after 64 cached tokens, through the narrow package and through
+    the other, interleaved (a machine's load weighs on both alike); the first rounds warm the packages."""
+    model, context = passes.module, 64
+    device = next(model.parameters()).device
+    prompt = torch.randint(model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
+    prompt, token = prompt[:, :context].to(device), prompt[:, context:].to(device)
+    cache, narrow, times = new_cache(model), passes.narrow_runner, {True: [], False: []}
+    step = {
+        "input_ids": token,
+        "position_ids": torch.tensor([[context]], device=device),
+        "attention_mask": causal_mask(1, context, model.dtype, device),
+    }
+    try:
+        with torch.inference_mode():
+            passes(input_ids=prompt, cache=cache, position_ids=torch.arange(context, device=device)[None])
+            for round_ in range(rounds + 3):
+                for through_narrow in (True, False):
+                    passes.narrow_runner = narrow if through_narrow else None
+                    started = time.perf_counter()
+                    passes(cache=cache, **step)
+                    if round_ >= 3:
+                        times[through_narrow].append(time.perf_counter() - started)
+                    cache.crop(-1)
+    finally:
+        passes.narrow_runner = narrow
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def _verdict_path(narrow_path: Path) -> Path:
+    return narrow_path.with_name(narrow_path.name + ".timed.json")
+
+
+def _recorded_verdict(narrow_path: Path) -> bool | None:
+    """What `narrow_verdict` recorded for the package at `narrow_path` on this machine, None if nothing is."""
+    try:
+        timed = json.loads(_verdict_path(narrow_path).read_text())
+        return timed["narrow_ms"] < timed["other_ms"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class _RecordedFailure(Exception):

@@ -43,8 +43,10 @@ def package_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled_llama(package_cache):
-    model = compile_target(tiny_model("llama"))
-    assert warm_up(model, verbose=False) > 0 and is_compiled(model)
+    with pytest.MonkeyPatch.context() as patch:  # the narrow package kept whatever its timing here
+        patch.setattr(compiled, "narrow_verdict", lambda passes, path: True)
+        model = compile_target(tiny_model("llama"))
+        assert warm_up(model, verbose=False) > 0 and is_compiled(model)
     return model
 
 
@@ -132,6 +134,27 @@ def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_th
     assert 1 in tokens["narrow_runner"], "plain steps ran through the narrow package"
     assert max(tokens["narrow_runner"]) <= compiled.NARROW_TOKENS
     assert min(tokens["runner"]) > compiled.NARROW_TOKENS, "trees, batches and prompts through the other"
+
+
+def test_a_narrow_package_timed_slower_is_dropped_and_not_loaded_again(compiled_llama, monkeypatch):
+    narrow, other = compiled.one_token_seconds(decoding_pass(compiled_llama), rounds=2)
+    assert narrow > 0 and other > 0 and decoding_pass(compiled_llama).narrow_runner is not None
+    monkeypatch.setattr(compiled, "one_token_seconds", lambda passes: (2e-3, 1e-3))
+    model = compile_target(tiny_model("llama"))  # compiled_llama's weights: its packages load
+    assert warm_up(model, verbose=False) > 0 and decoding_pass(model).narrow_runner is None
+    assert len(package_paths(model)) == 2 and decoding_pass(model).paths == package_paths(model)[:1]
+    prompt = random_prompts(model.config.vocab_size, 1, seed=16)[0]
+    assert generate(model, None, prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS)
+    verdict = compiled._verdict_path(package_paths(model)[1])
+    try:
+        monkeypatch.setattr(compiled, "one_token_seconds", lambda passes: pytest.fail("timed again"))
+        loaded = []
+        monkeypatch.setattr(compiled, "_load_or_build", lambda path, *args: loaded.append(path) or object())
+        again = compile_target(tiny_model("llama"))
+        assert warm_up(again, verbose=False) >= 0 and decoding_pass(again).narrow_runner is None
+        assert loaded == package_paths(again)[:1], "the recorded verdict kept the narrow package unloaded"
+    finally:
+        verdict.unlink()
 
 
 def test_where_the_gemm_template_serves_every_pass_one_package_does(package_cache, monkeypatch):
