@@ -212,8 +212,18 @@ class CompiledPasses:
                 return self._fail(problem)
             warnings.warn(f"{what} is not compiled ({problem}); those passes run through the other one", stacklevel=5)
         self.runner, self.narrow_runner = runners[0], (runners[1] if len(runners) > 1 else None)
-        if self.narrow_runner is not None and not narrow_verdict(self, packages[1][0]):
-            self.narrow_runner, runners = None, runners[:1]
+        if self.narrow_runner is not None:
+            try:
+                faster = narrow_verdict(self, packages[1][0])
+            except RuntimeError as error:  # loaded, and failing when run
+                warnings.warn(
+                    f"the package for passes of up to {NARROW_TOKENS} tokens does not run ({_reason(error)}); "
+                    "those passes run through the other one",
+                    stacklevel=5,
+                )
+                faster = False
+            if not faster:
+                self.narrow_runner, runners = None, runners[:1]
         self.paths = [path for path, _ in packages[: len(runners)]]
 
     def _fail(self, reason: str) -> None:

@@ -157,6 +157,18 @@ def test_a_narrow_package_timed_slower_is_dropped_and_not_loaded_again(compiled_
         verdict.unlink()
 
 
+def test_a_narrow_package_that_fails_when_run_is_dropped_with_a_warning(compiled_llama, monkeypatch):
+    def fails(passes):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(compiled, "one_token_seconds", fails)
+    model = compile_target(tiny_model("llama"))  # compiled_llama's weights: its packages load
+    with pytest.warns(UserWarning, match="does not run .*a kernel failed"):
+        warm_up(model, verbose=False)
+    assert decoding_pass(model).narrow_runner is None and is_compiled(model)
+    assert not compiled._verdict_path(package_paths(model)[1]).exists(), "nothing recorded: the next process tries"
+
+
 def test_where_the_gemm_template_serves_every_pass_one_package_does(package_cache, monkeypatch):
     """With AMX tiles in bfloat16 one package of inductor's GEMM template runs plain steps, trees and prompts."""
     monkeypatch.setattr(compiled, "template_serves_every_pass", lambda dtype: True)
