@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import sys
 import threading
 import time
@@ -246,31 +245,35 @@ def narrow_verdict(passes: CompiledPasses, narrow_path: Path) -> bool:
 
 def one_token_seconds(passes: CompiledPasses, rounds: int = 15) -> tuple[float, float]:
     """Median seconds of a one-row, one-token pass after 64 cached tokens, through the narrow package and through
-    the other, interleaved (a machine's load weighs on both alike); the first rounds warm the packages."""
+    the other, interleaved as calibration times its passes (a machine's load weighs on both alike)."""
+    from .calibrate import interleaved_medians  # calibration prices compiled passes: it imports this module
+
     model, context = passes.module, 64
     device = next(model.parameters()).device
     prompt = torch.randint(model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
     prompt, token = prompt[:, :context].to(device), prompt[:, context:].to(device)
-    cache, narrow, times = new_cache(model), passes.narrow_runner, {True: [], False: []}
+    cache, narrow = new_cache(model), passes.narrow_runner
     step = {
         "input_ids": token,
         "position_ids": torch.tensor([[context]], device=device),
         "attention_mask": causal_mask(1, context, model.dtype, device),
     }
+
+    def through(package):
+        def run():
+            passes.narrow_runner = package
+            passes(cache=cache, **step)
+            cache.crop(-1)
+
+        return run
+
     try:
         with torch.inference_mode():
             passes(input_ids=prompt, cache=cache, position_ids=torch.arange(context, device=device)[None])
-            for round_ in range(rounds + 3):
-                for through_narrow in (True, False):
-                    passes.narrow_runner = narrow if through_narrow else None
-                    started = time.perf_counter()
-                    passes(cache=cache, **step)
-                    if round_ >= 3:
-                        times[through_narrow].append(time.perf_counter() - started)
-                    cache.crop(-1)
+            narrow_seconds, other_seconds = interleaved_medians([through(narrow), through(None)], rounds)
     finally:
         passes.narrow_runner = narrow
-    return statistics.median(times[True]), statistics.median(times[False])
+    return narrow_seconds, other_seconds
 
 
 def _verdict_path(narrow_path: Path) -> Path:
