@@ -39,15 +39,17 @@ from heads.files import written_atomically
 
 from . import store
 from .cache import new_cache
+from .graph_passes import ResidualAddsApart
 from .passes import cache_shapes, export_decoding_pass, logits_positions, stores_with_room, take_entries
 
 # weights as constants, packed once for the matrix kernels; the wrapper (the calls between kernels) compiled at -O0,
 # which compiles faster and runs no slower; linear layers reading the same input (queries, keys and values; gate
-# and up) as one matrix product
+# and up) as one matrix product; residual adds in inductor's own kernels, not in oneDNN's products (graph_passes)
 INDUCTOR_OPTIONS = {
     "freezing": True,
     "aot_inductor.compile_wrapper_opt_level": "O0",
     "cpp.enable_concat_linear": True,
+    "post_grad_custom_pre_pass": ResidualAddsApart(),
 }
 # Matrix products through inductor's C++ GEMM template (max_autotune with the CPP backend alone: one candidate a
 # product, so nothing is benchmarked), generated for the threads of the process that compiles it. Without AMX (or in
