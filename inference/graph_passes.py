@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-LINEAR = torch.ops.mkldnn._linear_pointwise.default  # a frozen weight's product, as freezing packs it for oneDNN
+# a frozen weight's product, as freezing packs it for oneDNN (a torch built without oneDNN has no such op)
+LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 class ResidualAddsApart(CustomGraphPass):
@@ -35,7 +36,7 @@ class ResidualAddsApart(CustomGraphPass):
 
 
 def _is_product(arg) -> bool:
-    return isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is LINEAR
+    return LINEAR is not None and isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is LINEAR
 
 
 def _same_tensor_kind(left, right) -> bool:
