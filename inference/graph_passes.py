@@ -2,10 +2,10 @@
 its extension point for them (`post_grad_custom_pre_pass`).
 
 ResidualAddsApart: inductor fuses a residual add into the oneDNN product before it (`_linear_pointwise.binary`, the
-add as a post-op). With one or a few tokens that fused call cost 12-15 us more than the product alone, while the add
-then costs nothing inside the elementwise kernel that follows (the next layer's RMSNorm). Kept apart, the adds made
-every pass 2-4% faster (docs/experiments.md, row X7), and in bfloat16 they round as the eager model does: the
-product's output is rounded before the add, as it is there.
+add as a post-op). With a few tokens that fused call costs more than the product alone, while the add costs nothing
+inside the elementwise kernel that follows (the next layer's RMSNorm), so the adds are kept apart (measured in
+docs/experiments.md, row X7). In bfloat16 they then round as in the eager model: the product's output is rounded
+before the add.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ class ResidualAddsApart(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor):
-            if len(node.args) == 2 and not node.kwargs and any(_is_product(arg) for arg in node.args):
-                left, right = (arg.meta.get("val") for arg in node.args)
-                if _same_tensor_kind(left, right):
-                    node.target = torch.ops.prims.add.default
+            two_tensors = len(node.args) == 2 and not node.kwargs and _same_tensor_kind(*map(_value, node.args))
+            if two_tensors and any(_is_product(arg) for arg in node.args):
+                node.target = torch.ops.prims.add.default
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__,)).hex()
@@ -37,6 +36,11 @@ class ResidualAddsApart(CustomGraphPass):
 
 def _is_product(arg) -> bool:
     return LINEAR is not None and isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is LINEAR
+
+
+def _value(arg):
+    """What a node computes, as inductor's graphs record it (None for a constant argument)."""
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
 
 
 def _same_tensor_kind(left, right) -> bool:

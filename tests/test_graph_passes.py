@@ -44,6 +44,17 @@ def test_adds_prims_add_cannot_take_are_left_alone():
         assert add.target is aten.add.Tensor, (shape, dtype, from_product)
 
 
+def test_a_product_plus_a_constant_is_left_alone():
+    graph = torch.fx.Graph()
+    x, weight = graph.placeholder("x"), graph.placeholder("weight")
+    out = graph.call_function(LINEAR, (x, weight, None, "none", [], ""))
+    out.meta["val"] = torch.empty(1, 3, 8)
+    add = graph.call_function(aten.add.Tensor, (out, 1.0))
+    graph.output(add)
+    ResidualAddsApart()(graph)
+    assert add.target is aten.add.Tensor
+
+
 def test_the_pass_is_part_of_the_packages_key():
     """Its repr names its source's hash: a changed pass builds new packages instead of loading old ones."""
     first = INDUCTOR_OPTIONS["post_grad_custom_pre_pass"]
