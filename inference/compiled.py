@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from heads.eagle import causal_mask
 from heads.files import written_atomically
 
-from . import store
+from . import decode_attention, store
 from .cache import new_cache
 from .graph_passes import ResidualAddsApart
 from .passes import cache_shapes, export_decoding_pass, logits_positions, stores_with_room, take_entries
@@ -165,7 +165,8 @@ class CompiledPasses:
         hardware = (
             torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
         )
-        common = [self.key_parts(), device.type, hardware, torch.__version__, transformers.__version__]
+        kernel = decode_attention.digest() if decode_attention.wanted(device, weight.dtype) else None
+        common = [self.key_parts(), kernel, device.type, hardware, torch.__version__, transformers.__version__]
         if device.type != "cpu" or not self.gemm_template:
             kinds = [("", INDUCTOR_OPTIONS)]
         elif template_serves_every_pass(weight.dtype):
@@ -183,6 +184,9 @@ class CompiledPasses:
         return export_decoding_pass(self.module)
 
     def _prepare(self, verbose: bool) -> None:
+        weight = next(self.module.parameters())
+        if decode_attention.wanted(weight.device, weight.dtype):  # traced into the packages, and run by them
+            decode_attention.load(verbose)
         packages = self.packages()
         program = []  # exported once, on the first package to build
 

@@ -1,0 +1,92 @@
+"""inference.decode_attention: the kernel for a few query rows over a long bfloat16 cache computes what ATen's
+scaled_dot_product_attention computes, for the shapes it takes and for those it hands to ATen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from heads import attention
+from inference import decode_attention
+
+pytestmark = pytest.mark.skipif(
+    not decode_attention.wanted(torch.device("cpu"), torch.bfloat16), reason="the kernel needs AVX512-BF16"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert decode_attention.load(verbose=False), "the kernel did not build"
+    yield torch.ops.specheads.decode_attention.default
+    attention.use_decode_kernel(None)  # the tests after these run as they would alone
+
+
+def folded_inputs(rows, kv_heads, groups, queries, keys, dim, mask_rows=None, seed=0):
+    """A folded query [rows, kv_heads, groups * queries, dim], keys and values that are views into longer stores,
+    and an additive mask [mask_rows, 1, queries, keys] hiding a random third of the keys (the first always seen)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(rows, kv_heads, groups * queries, dim, generator=generator).bfloat16()
+    key, value = (torch.randn(rows, kv_heads, keys + 7, dim, generator=generator).bfloat16()[:, :, :keys] for _ in "kv")
+    hidden = torch.rand(mask_rows or rows, 1, queries, keys, generator=generator) < 0.3
+    hidden[..., 0] = False
+    mask = torch.zeros(hidden.shape).masked_fill(hidden, torch.finfo(torch.bfloat16).min).bfloat16()
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize(
+    "rows, groups, queries, keys, dim, mask_rows",
+    [
+        (16, 3, 1, 513, 64, None),  # a batch step of one token a row
+        (1, 3, 1, 5000, 64, None),  # one row over a long cache: the keys split into chunks across threads
+        (4, 3, 4, 300, 64, 1),  # small trees, one mask for every row
+        (3, 2, 8, 70, 128, None),  # 16 rows a head, a larger head
+        (2, 3, 16, 90, 64, None),  # 48 rows a head: handed to ATen
+        (2, 3, 2, 40, 32, None),  # a head size it does not take: handed to ATen
+    ],
+)
+def test_the_kernel_computes_what_sdpa_computes(kernel, rows, groups, queries, keys, dim, mask_rows):
+    query, key, value, mask = folded_inputs(rows, 3, groups, queries, keys, dim, mask_rows)
+    ours = kernel(query, key, value, mask, 0.3)
+    repeated = mask.expand(rows, -1, -1, -1).repeat(1, 1, groups, 1)
+    exact = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), repeated.double(), scale=0.3)
+    aten = F.scaled_dot_product_attention(query, key, value, repeated, scale=0.3)
+    assert ours.shape == query.shape and ours.dtype == torch.bfloat16 and ours.is_contiguous()
+    # as near the exact result as ATen's own bfloat16 kernel: within a rounding of the output
+    assert (ours.double() - exact).abs().max() <= (aten.double() - exact).abs().max() * 1.5 + 1e-3
+
+
+def test_a_chunk_whose_keys_are_all_masked_adds_nothing(kernel):
+    query, key, value, mask = folded_inputs(1, 3, 3, 1, 2048, 64)
+    mask[..., 1:1500] = float("-inf")  # whole chunks hidden, with -inf
+    ours = kernel(query, key, value, mask, 0.125)
+    exact = F.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), mask.double().repeat(1, 1, 3, 1), scale=0.125
+    )
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours.double(), exact, atol=1e-2, rtol=1e-2)
+
+
+def test_a_wrong_mask_row_would_be_caught(kernel):
+    """The comparison above can fail: row g of a head reads mask row g % queries."""
+    query, key, value, mask = folded_inputs(2, 3, 3, 4, 200, 64)
+    ours = kernel(query, key, value, mask.flip(2), 0.3)
+    exact = F.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), mask.double().repeat(1, 1, 3, 1), scale=0.3
+    )
+    assert (ours.double() - exact).abs().max() > 0.05
+
+
+def test_grouped_attention_through_the_kernel_matches_transformers_sdpa(kernel, monkeypatch):
+    monkeypatch.setattr(attention, "_decode_kernel", kernel)
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(4, 9, 2, 64, generator=generator).bfloat16()
+    key, value = (torch.randn(4, 3, 300, 64, generator=generator).bfloat16() for _ in "kv")
+    mask = torch.zeros(4, 1, 2, 300).bfloat16()
+    mask[1, ..., 100:] = torch.finfo(torch.bfloat16).min
+    module = type("Attention", (), {"num_key_value_groups": 3})()
+    ours, _ = attention.grouped_sdpa_attention(module, query, key, value, mask, scaling=0.125)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+    assert ours.shape == reference.shape == (4, 2, 9, 64)
+    torch.testing.assert_close(ours.float(), reference.float(), atol=2e-2, rtol=2e-2)
