@@ -25,8 +25,10 @@ from heads import attention
 from . import store
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
-FLAGS += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # ATen's vector types at 512 bits
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+# ATen's vector types at 512 bits; -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers (single-threaded
+# without it)
+FLAGS += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 _LOCK = threading.Lock()
 _failed: str | None = None  # why it could not be built, once it could not
 
