@@ -10,6 +10,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .transfer import to_device
+
 
 class PositionLayer(DynamicLayer):
     """A DynamicLayer whose entries sit in a buffer with room to grow: a pass writes its entries after the kept ones
@@ -147,12 +149,29 @@ def keep_paths(
     device = paths[0].device
     rows = torch.cat([torch.full_like(path, row) for row, path in enumerate(paths)])
     target = torch.cat([torch.arange(past, past + path.shape[0], device=device) for past, path in zip(cached, paths)])
-    source = torch.cat(paths) + cache_length
-    for layer in cache.layers:  # one gather and one scatter a layer for all rows (the right side is a copy)
-        layer.keys[rows, :, target] = layer.keys[rows, :, source]
-        layer.values[rows, :, target] = layer.values[rows, :, source]
+    _move_entries(cache, rows, target, torch.cat(paths) + cache_length)
     cache.crop(max(kept) - cache.get_seq_length())
     return kept
+
+
+def keep_new_entries(cache, cached: list[int], cache_length: int) -> list[int]:
+    """keep_paths for a step of one node a row (a plain step): each row's one new entry, at `cache_length`, moved to
+    the row's own end; returns the rows' new committed lengths."""
+    moving = [row for row, past in enumerate(cached) if past != cache_length]
+    if moving:
+        device = cache.layers[0].keys.device
+        target = to_device([cached[row] for row in moving], device)
+        _move_entries(cache, to_device(moving, device), target, torch.full_like(target, cache_length))
+    cache.crop(max(cached) + 1 - cache.get_seq_length())
+    return [past + 1 for past in cached]
+
+
+def _move_entries(cache, rows: torch.Tensor, target: torch.Tensor, source: torch.Tensor) -> None:
+    """Entry source[i] of row rows[i] copied to entry target[i], in every layer: one gather and one scatter a layer
+    for all rows (the right side is a copy)."""
+    for layer in cache.layers:
+        layer.keys[rows, :, target] = layer.keys[rows, :, source]
+        layer.values[rows, :, target] = layer.values[rows, :, source]
 
 
 def keep_rows(cache, rows: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ import torch
 from heads.eagle import causal_mask
 
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
-from .cache import append_rows, keep_paths, keep_rows, new_cache
+from .cache import append_rows, keep_new_entries, keep_paths, keep_rows, new_cache
 from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
 from .drafters import Drafter, drafter_name
 from .fallback import Fallback
@@ -450,6 +450,8 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
     rows = state.active
     # [B, N]: one argmax for all rows, when any row decodes greedily
     greedy = greedy_tokens(out.logits) if any(row.sampling.greedy for row in rows) else None
+    if not drafting and all(row.sampling.greedy for row in rows):
+        return accept_plain_greedy(state, greedy[:, 0], out)
     outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
         if row.sampling.greedy:
@@ -486,6 +488,25 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
     cache_length = state.cache.get_seq_length() - max(tree.size for tree in trees)  # before this step's trees
     cached = keep_paths(state.cache, [row.cached for row in rows], cache_length, paths, deepest)
     for row, length in zip(rows, cached):
+        row.cached = length
+    return going
+
+
+def accept_plain_greedy(state: Decoding, tokens: torch.Tensor, out) -> list[int]:
+    """accept_step for a plain step whose rows all decode greedily: each row commits the target's token (`tokens`
+    [B]), all read back at once, without a tree's acceptance per row."""
+    rows, going = state.active, []
+    for slot, (row, token) in enumerate(zip(rows, tokens.tolist())):
+        row.stats.plain_steps += 1
+        row.stats.count_depths(0, 0)
+        new = tokens[slot : slot + 1]
+        if not commit(state, row, new, [token]):
+            going.append(slot)
+            hidden = {layer: out.hidden_states[layer][slot, :1] for layer in state.drafter.hidden_layers}
+            state.to_observe[0].append(hidden)
+            state.to_observe[1].append(new)
+    cache_length = state.cache.get_seq_length() - 1  # before this step's one node a row
+    for row, length in zip(rows, keep_new_entries(state.cache, [row.cached for row in rows], cache_length)):
         row.cached = length
     return going
 

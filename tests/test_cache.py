@@ -7,7 +7,15 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_model
-from inference.cache import append_rows, keep_path, keep_paths, keep_rows, new_cache, position_cache
+from inference.cache import (
+    append_rows,
+    keep_new_entries,
+    keep_path,
+    keep_paths,
+    keep_rows,
+    new_cache,
+    position_cache,
+)
 
 
 def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
@@ -61,6 +69,25 @@ def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
     for layer in range(2):  # the next pass writes after them
         ours.update(*entries(3, 5), layer)
     assert ours.get_seq_length() == 505
+
+
+def test_a_plain_steps_new_entries_move_as_one_node_paths_do():
+    """keep_new_entries (a plain step) leaves the cache as keep_paths with every row's path its one node does; and a
+    row whose entry stayed where it was written would be caught."""
+    generator = torch.Generator().manual_seed(1)
+    caches = [position_cache() for _ in range(3)]
+    for layer in range(2):
+        keys = torch.randn(4, 2, 31, 4, generator=generator)
+        for cache in caches:
+            cache.update(keys.clone(), -keys, layer)
+    cached = [30, 27, 30, 12]  # rows 1 and 3 shorter: their new entries move back to their own ends
+    assert keep_new_entries(caches[0], cached, 30) == [31, 28, 31, 13]
+    assert keep_paths(caches[1], cached, 30, [torch.tensor([0])] * 4) == [31, 28, 31, 13]
+    keep_paths(caches[2], [30] * 4, 30, [torch.tensor([0])] * 4)  # nothing moved
+    for layer in range(2):
+        assert torch.equal(caches[0].layers[layer].keys, caches[1].layers[layer].keys)
+        assert torch.equal(caches[0].layers[layer].values, caches[1].layers[layer].values)
+        assert not torch.equal(caches[0].layers[layer].keys, caches[2].layers[layer].keys)
 
 
 def test_rows_leave_and_join_the_batch_within_the_buffer():
