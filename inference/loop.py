@@ -450,8 +450,8 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
     rows = state.active
     # [B, N]: one argmax for all rows, when any row decodes greedily
     greedy = greedy_tokens(out.logits) if any(row.sampling.greedy for row in rows) else None
-    if not drafting and all(row.sampling.greedy for row in rows):
-        return accept_plain_greedy(state, greedy[:, 0], out)
+    if all(tree.size == 1 for tree in trees) and all(row.sampling.greedy for row in rows):
+        return accept_roots_greedy(state, greedy[:, 0], out, drafting, checks)
     outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
         if row.sampling.greedy:
@@ -492,12 +492,19 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
     return going
 
 
-def accept_plain_greedy(state: Decoding, tokens: torch.Tensor, out) -> list[int]:
-    """accept_step for a plain step whose rows all decode greedily: each row commits the target's token (`tokens`
-    [B]), all read back at once, without a tree's acceptance per row."""
+def accept_roots_greedy(state: Decoding, tokens: torch.Tensor, out, drafting: bool, checks: list[DeferredCheck]):
+    """accept_step for a step of one node a row (a plain step, or a drafter that drafted nothing) whose rows all
+    decode greedily: each row commits the target's token (`tokens` [B]), all read back at once with the proposed
+    chains' checks, without a tree's acceptance per row."""
     rows, going = state.active, []
-    for slot, (row, token) in enumerate(zip(rows, tokens.tolist())):
-        row.stats.plain_steps += 1
+    values = torch.cat([tokens] + [check.problems.long() for check in checks]).tolist()
+    for at, check in enumerate(checks):
+        start = len(rows) + 5 * at
+        raise_tree_problems(
+            values[start : start + 5], check.proposed, check.root, state.model.config.vocab_size, check.drafter
+        )
+    for slot, (row, token) in enumerate(zip(rows, values)):
+        row.stats.plain_steps += not drafting
         row.stats.count_depths(0, 0)
         new = tokens[slot : slot + 1]
         if not commit(state, row, new, [token]):
