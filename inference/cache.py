@@ -22,6 +22,11 @@ class PositionLayer(DynamicLayer):
     new buffer for each would touch fresh memory every time rows change, a cost paid per layer."""
 
     key_buffer = value_buffer = None  # allocated at the first update
+    shared: SharedBuffers | None = None  # the one allocation of every layer's buffers, where the cache has one
+
+    def __init__(self, shared: SharedBuffers | None = None):
+        super().__init__()
+        self.shared = shared
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -40,8 +45,14 @@ class PositionLayer(DynamicLayer):
         first pass, a full buffer, or more rows than it had room for."""
         if not self.is_initialized:
             self.lazy_initialization(like, like)
-            self.key_buffer = self.value_buffer = None
+            if self.shared is not None and self.key_buffer is not None:  # laid out by SharedBuffers.grow already
+                rows = like.shape[0]
+                self.keys, self.values = self.key_buffer[:rows, :, :0], self.value_buffer[:rows, :, :0]
+            else:
+                self.key_buffer = self.value_buffer = None
         used, rows = self.get_seq_length(), like.shape[0]
+        if not self._fits(like.shape, used + new) and self.shared is not None:
+            self.shared.grow(like, used + new)  # every layer's buffers, this one's among them
         if not self._fits(like.shape, used + new):
             capacity = used + new + max(256, (used + new) // 2)
             shape = (*like.shape[:-2], capacity, like.shape[-1])
@@ -98,14 +109,76 @@ class PositionLayer(DynamicLayer):
             and buffer.shape[1:-2] == tuple(shape[1:-2])
             and buffer.shape[-1] == shape[-1]
             and buffer.shape[-2] >= length
-            and self.keys.data_ptr() == buffer.data_ptr()
+            # where the entries start (data_ptr() reads 0 for an empty view, so not by that)
+            and self.keys.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            and self.keys.storage_offset() == buffer.storage_offset()
             and self.keys.stride() == buffer.stride()
         )
 
 
-def position_cache() -> Cache:
-    """An empty cache of PositionLayers, one added per layer as a model first writes to it."""
-    return Cache(layer_class_to_replicate=PositionLayer)
+class SharedBuffers:
+    """Every layer's key and value buffers in one allocation, [2 * layers, rows, heads, capacity, dim] (layer i's keys
+    at 2i, its values at 2i + 1), so that moving entries in every layer (a step's accepted paths) is one gather and
+    one scatter instead of two of each a layer. Layers whose entries are shaped otherwise keep buffers of their own."""
+
+    def __init__(self):
+        self.layers: list[PositionLayer] = []
+        self.tensor: torch.Tensor | None = None
+
+    def grow(self, like: torch.Tensor, length: int) -> None:
+        """Buffers with room for `length` entries of `like`'s rows for every layer, each layer's used entries copied
+        in; nothing where a layer's entries are shaped otherwise (that layer's own buffer then grows)."""
+        layers = [layer for layer in self.layers if _has_entries(layer)]
+        if any(not _same_layout(layer.keys, like) for layer in layers):
+            return
+        rows = max([like.shape[0]] + [layer.keys.shape[0] for layer in layers])
+        capacity = length + max(256, length // 2)
+        self.tensor = like.new_empty(2 * len(self.layers), rows, *like.shape[1:-2], capacity, like.shape[-1])
+        for index, layer in enumerate(self.layers):
+            keys, values = self.tensor[2 * index], self.tensor[2 * index + 1]
+            if _has_entries(layer):
+                used_rows, used = layer.keys.shape[0], layer.keys.shape[-2]
+                keys[:used_rows, :, :used] = layer.keys
+                values[:used_rows, :, :used] = layer.values
+                layer.keys, layer.values = keys[:used_rows, :, :used], values[:used_rows, :, :used]
+            elif layer.is_initialized:  # initialized by the pass that grows these buffers: no entries yet
+                layer.keys, layer.values = keys[: like.shape[0], :, :0], values[: like.shape[0], :, :0]
+            layer.key_buffer, layer.value_buffer = keys, values
+
+    def used(self) -> torch.Tensor | None:
+        """The used part of every layer's entries as one view [2 * layers, rows, heads, used, dim], or None where
+        some layer's entries are elsewhere (or not of one size)."""
+        if self.tensor is None or not self.layers or not all(layer.is_initialized for layer in self.layers):
+            return None
+        shape = self.layers[0].keys.shape
+        for index, layer in enumerate(self.layers):
+            buffer = layer.key_buffer
+            on_buffer = buffer is not None and buffer.data_ptr() == self.tensor[2 * index].data_ptr()
+            if not (on_buffer and layer._fits(shape, shape[-2]) and layer.keys.shape == shape):
+                return None
+        return self.tensor[:, : shape[0], :, : shape[-2]]
+
+
+def _has_entries(layer: PositionLayer) -> bool:
+    """Whether the layer holds entries shaped [rows, heads, n, dim] (a layer just initialized holds an empty 1-D
+    tensor)."""
+    return layer.is_initialized and layer.keys.dim() == 4
+
+
+def _same_layout(entries: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether `entries` and `like` ([rows, heads, n, dim]) differ at most in rows and entries."""
+    same_heads_and_dim = entries.shape[1:-2] == like.shape[1:-2] and entries.shape[-1] == like.shape[-1]
+    return same_heads_and_dim and entries.dtype == like.dtype and entries.device == like.device
+
+
+def position_cache(layers: int | None = None) -> Cache:
+    """An empty cache of PositionLayers: `layers` of them with their buffers in one allocation (SharedBuffers), or
+    without a count, one added per layer as a model first writes to it, each with buffers of its own."""
+    if layers is None:
+        return Cache(layer_class_to_replicate=PositionLayer)
+    shared = SharedBuffers()
+    shared.layers = [PositionLayer(shared) for _ in range(layers)]
+    return Cache(layers=shared.layers)
 
 
 def new_cache(model) -> Cache:
@@ -118,7 +191,7 @@ def new_cache(model) -> Cache:
             "state), which cannot be rolled back to an accepted tree path yet. Use a model with full attention, "
             "or disable its sliding window in the config if it never takes effect at your lengths."
         )
-    return Cache(layers=[PositionLayer() for _ in layers])
+    return position_cache(len(layers))
 
 
 def keep_path(cache: Cache, past_length: int, path: torch.Tensor, tree_size: int) -> None:
@@ -126,9 +199,13 @@ def keep_path(cache: Cache, past_length: int, path: torch.Tensor, tree_size: int
     kept = path.shape[0]
     if int(path[-1]) != kept - 1:  # the path is not simply the first nodes: move its entries forward
         source = path + past_length
-        for layer in cache.layers:
-            layer.keys[:, :, past_length : past_length + kept] = layer.keys[:, :, source]
-            layer.values[:, :, past_length : past_length + kept] = layer.values[:, :, source]
+        shared = _shared_entries(cache)
+        if shared is not None:  # every layer at once
+            shared[:, :, :, past_length : past_length + kept] = shared[:, :, :, source]
+        else:
+            for layer in cache.layers:
+                layer.keys[:, :, past_length : past_length + kept] = layer.keys[:, :, source]
+                layer.values[:, :, past_length : past_length + kept] = layer.values[:, :, source]
     cache.crop(kept - tree_size)  # crop takes a negative count of entries to drop
 
 
@@ -166,9 +243,19 @@ def keep_new_entries(cache, cached: list[int], cache_length: int) -> list[int]:
     return [past + 1 for past in cached]
 
 
+def _shared_entries(cache) -> torch.Tensor | None:
+    """Every layer's used entries as one view (SharedBuffers.used), where the cache's layers share one allocation."""
+    shared = getattr(cache.layers[0], "shared", None) if cache.layers else None
+    return shared.used() if shared is not None else None
+
+
 def _move_entries(cache, rows: torch.Tensor, target: torch.Tensor, source: torch.Tensor) -> None:
-    """Entry source[i] of row rows[i] copied to entry target[i], in every layer: one gather and one scatter a layer
-    for all rows (the right side is a copy)."""
+    """Entry source[i] of row rows[i] copied to entry target[i], in every layer: one gather and one scatter for all
+    rows (the right side is a copy), for all layers at once where they share one allocation."""
+    shared = _shared_entries(cache)
+    if shared is not None:
+        shared[:, rows, :, target] = shared[:, rows, :, source]
+        return
     for layer in cache.layers:
         layer.keys[rows, :, target] = layer.keys[rows, :, source]
         layer.values[rows, :, target] = layer.values[rows, :, source]

@@ -3,6 +3,7 @@ operation the decode loops make, without copying the whole cache on each pass.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -18,9 +19,11 @@ from inference.cache import (
 )
 
 
-def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
+@pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])
+def test_position_cache_matches_dynamic_cache_through_the_loops_operations(shared):
+    """With buffers of each layer's own, and with every layer's in one allocation (SharedBuffers, moved at once)."""
     generator = torch.Generator().manual_seed(0)
-    reference, ours = DynamicCache(), position_cache()
+    reference, ours = DynamicCache(), position_cache(2 if shared else None)
 
     def entries(rows: int, count: int):
         keys = torch.randn(rows, 2, count, 4, generator=generator)
@@ -46,6 +49,8 @@ def test_position_cache_matches_dynamic_cache_through_the_loops_operations():
         update(3, 5)
         cached = [length - row for row in range(3)]
         paths = [torch.tensor([0, 2, 3]), torch.tensor([0]), torch.tensor([0, 1])]
+        one_view = ours.layers[0].shared is not None and ours.layers[0].shared.used() is not None
+        assert one_view == shared  # the moves went through one view of every layer
         assert keep_paths(ours, cached, length, paths) == keep_paths(reference, cached, length, paths)
         same()
     assert ours.layers[0].key_buffer.data_ptr() == buffer  # every pass wrote into the same buffer
@@ -128,9 +133,10 @@ def test_rows_leave_and_join_the_batch_within_the_buffer():
     same()
 
 
-def test_a_single_sequence_keeps_its_path_in_place():
+@pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])
+def test_a_single_sequence_keeps_its_path_in_place(shared):
     generator = torch.Generator().manual_seed(1)
-    reference, ours = DynamicCache(), position_cache()
+    reference, ours = DynamicCache(), position_cache(1 if shared else None)
     for cache in (reference, ours):
         keys = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(2))
         cache.update(keys, keys + 1, 0)
