@@ -20,11 +20,36 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;  // more query rows a head: the dot products' horizontal sums cost more than flash
+constexpr int64_t kMaxRows = 64;  // more query rows a head (a prompt's chunk): ATen's flash, built for those
 using Vec = at::vec::Vectorized<float>;
 
 inline __m512 load16(const at::BFloat16* p) {  // 16 bfloat16 -> fp32 (a shift of the bits)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// 16 x 16 32-bit elements: rows r[i] -> columns (r[i] lane j becomes r[j] lane i)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
 }
 
 struct Partial {  // one chunk's softmax over its keys, for one row: max, sum of exp, and the weighted values
@@ -38,18 +63,39 @@ template <int D>
 void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const at::BFloat16* mask,
                   int64_t mask_row_stride, int64_t G, int64_t Q, int64_t begin, int64_t end, float scale, float* s,
                   Partial out) {
-  constexpr int kPairs = D / 32;  // 512-bit vectors of bfloat16 pairs in a row
+  constexpr int kPairs = D / 2;  // bfloat16 pairs in a row: one 32-bit lane each
   const int64_t n = end - begin;
-  __m512bh qv[kMaxRows][kPairs];
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < kPairs; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * D + j * 32);
-  for (int64_t l = begin; l < end; ++l) {
-    __m512bh kv[kPairs];
-    for (int j = 0; j < kPairs; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + l * D + j * 32);
+  const auto* q32 = reinterpret_cast<const int32_t*>(q);
+  int64_t l = begin;
+  // 16 keys at once, their pairs transposed so that a lane is a key's score: two dot-product instructions a row and
+  // key (64 dims) instead of a horizontal sum each; with fewer than 8 rows the transposes cost more than they save
+  for (; G >= 8 && l + 16 <= end; l += 16) {
+    __m512i kt[kPairs];
+    for (int block = 0; block < kPairs / 16; ++block) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k + (l + i) * D + block * 32);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) kt[block * 16 + i] = r[i];
+    }
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
-      for (int j = 0; j < kPairs; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
-      s[g * n + (l - begin)] = _mm512_reduce_add_ps(acc);
+      for (int p = 0; p < kPairs; ++p)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(q32[g * kPairs + p]), (__m512bh)kt[p]);
+      _mm512_storeu_ps(s + g * n + (l - begin), acc);
+    }
+  }
+  if (l < end) {  // one key at a time: few rows, and the last keys
+    __m512bh qv[kMaxRows][D / 32];
+    for (int64_t g = 0; g < G; ++g)
+      for (int j = 0; j < D / 32; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * D + j * 32);
+    for (; l < end; ++l) {
+      __m512bh kv[D / 32];
+      for (int j = 0; j < D / 32; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(k + l * D + j * 32);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int j = 0; j < D / 32; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], kv[j]);
+        s[g * n + (l - begin)] = _mm512_reduce_add_ps(acc);
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -88,19 +134,23 @@ void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat
     out.max[g] = most;
     out.sum[g] = sum;
   }
-  __m512 o[kMaxRows][D / 16];
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_setzero_ps();
-  for (int64_t l = begin; l < end; ++l) {
-    __m512 vv[D / 16];
-    for (int j = 0; j < D / 16; ++j) vv[j] = load16(v + l * D + j * 16);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(s[g * n + (l - begin)]);
-      for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
+  constexpr int kRowsAtOnce = 4;  // rows whose sums stay in registers while the values stream past
+  for (int64_t first = 0; first < G; first += kRowsAtOnce) {
+    const int64_t rows = std::min<int64_t>(kRowsAtOnce, G - first);
+    __m512 o[kRowsAtOnce][D / 16];
+    for (int g = 0; g < kRowsAtOnce; ++g)
+      for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_setzero_ps();
+    for (int64_t l = begin; l < end; ++l) {
+      __m512 vv[D / 16];
+      for (int j = 0; j < D / 16; ++j) vv[j] = load16(v + l * D + j * 16);
+      for (int g = 0; g < rows; ++g) {
+        const __m512 p = _mm512_set1_ps(s[(first + g) * n + (l - begin)]);
+        for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
+      }
     }
+    for (int g = 0; g < rows; ++g)
+      for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(out.acc + (first + g) * D + j * 16, o[g][j]);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(out.acc + g * D + j * 16, o[g][j]);
 }
 
 template <int D>

@@ -38,11 +38,13 @@ def folded_inputs(rows, kv_heads, groups, queries, keys, dim, mask_rows=None, se
 @pytest.mark.parametrize(
     "rows, groups, queries, keys, dim, mask_rows",
     [
-        (16, 3, 1, 513, 64, None),  # a batch step of one token a row
+        (16, 3, 1, 513, 64, None),  # a batch step of one token a row: keys one at a time
         (1, 3, 1, 5000, 64, None),  # one row over a long cache: the keys split into chunks across threads
-        (4, 3, 4, 300, 64, 1),  # small trees, one mask for every row
+        (4, 3, 4, 300, 64, 1),  # small trees, one mask for every row: 16 keys at once, then the last 12 alone
         (3, 2, 8, 70, 128, None),  # 16 rows a head, a larger head
-        (2, 3, 16, 90, 64, None),  # 48 rows a head: handed to ATen
+        (2, 3, 16, 90, 64, None),  # 48 rows a head
+        (1, 3, 21, 700, 64, None),  # 63 rows a head, split into chunks
+        (2, 3, 22, 50, 64, None),  # 66 rows a head: handed to ATen
         (2, 3, 2, 40, 32, None),  # a head size it does not take: handed to ATen
     ],
 )
