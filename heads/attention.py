@@ -52,7 +52,9 @@ def grouped_sdpa_attention(
         kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
     )  # transformers' function handles these
     plain = not shared_mask or dropout or special
-    if _decode_kernel is not None and not plain and query.device.type == "cpu":
+    # the kernel computes no gradients: training (a head's decoder layer) goes through SDPA
+    differentiating = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if _decode_kernel is not None and not plain and not differentiating and query.device.type == "cpu":
         folded = query.reshape(batch, heads // groups, groups * length, dim)
         out = _decode_kernel(folded, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
         return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None

@@ -92,3 +92,19 @@ def test_grouped_attention_through_the_kernel_matches_transformers_sdpa(kernel, 
     reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
     assert ours.shape == reference.shape == (4, 2, 9, 64)
     torch.testing.assert_close(ours.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_attention_that_needs_gradients_goes_around_the_kernel(kernel, monkeypatch):
+    """The kernel has no backward: with it in use, a head in training still gets SDPA's gradients."""
+    monkeypatch.setattr(attention, "_decode_kernel", kernel)
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 9, 3, 64, generator=generator).bfloat16().requires_grad_()
+    key, value = (torch.randn(2, 3, 40, 64, generator=generator).bfloat16() for _ in "kv")
+    mask = torch.zeros(2, 1, 3, 40).bfloat16()
+    module = type("Attention", (), {"num_key_value_groups": 3})()
+    ours, _ = attention.grouped_sdpa_attention(module, query, key, value, mask, scaling=0.125)
+    ours.float().square().sum().backward()
+    reference_query = query.detach().clone().requires_grad_()
+    reference, _ = sdpa_attention_forward(module, reference_query, key, value, mask, scaling=0.125)
+    reference.float().square().sum().backward()
+    torch.testing.assert_close(query.grad.float(), reference_query.grad.float(), atol=2e-2, rtol=2e-2)
