@@ -211,7 +211,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   const bool fast = query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                     value.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kBFloat16 && G <= kMaxRows &&
                     (D == 64 || D == 128) && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == D &&
-                    value.stride(2) == D && G % Q == 0;
+                    value.stride(2) == D && G % Q == 0 && key.sizes() == value.sizes() &&
+                    key.size(0) == query.size(0) && key.size(1) == query.size(1) && key.size(3) == D &&
+                    (mask.size(0) == 1 || mask.size(0) == query.size(0)) && mask.size(1) == 1 &&
+                    mask.size(3) == key.size(2);  // other shapes: ATen broadcasts them, or says what is wrong
   if (!fast) {
     // contiguous, as the op's fake (inference/decode_attention.py) says its output is
     return at::scaled_dot_product_attention(query, key, value, mask.repeat({1, 1, G / Q, 1}), 0.0, false, scale)

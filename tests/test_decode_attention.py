@@ -108,3 +108,9 @@ def test_attention_that_needs_gradients_goes_around_the_kernel(kernel, monkeypat
     reference, _ = sdpa_attention_forward(module, reference_query, key, value, mask, scaling=0.125)
     reference.float().square().sum().backward()
     torch.testing.assert_close(query.grad.float(), reference_query.grad.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_mask_of_the_wrong_length_is_refused_as_sdpa_refuses_it(kernel):
+    query, key, value, mask = folded_inputs(2, 3, 3, 1, 64, 64)
+    with pytest.raises(RuntimeError):
+        kernel(query, key, value, mask[..., :40], 0.125)
