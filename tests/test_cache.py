@@ -156,3 +156,29 @@ def test_new_cache_serves_a_model_as_dynamic_cache_does():
         first = model(ids[:, :12], cache=cache, use_cache=True).logits
         second = model(ids[:, 12:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(torch.cat([first, second], dim=1), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_pass_takes_its_stores_again_when_a_later_layer_grows_every_layers_buffers():
+    """With SharedBuffers a layer's growth lays out every layer's buffers anew; stores taken for the layers before it
+    would be the old ones, and the entries the pass writes there lost."""
+    from inference.compiled import CompiledPasses
+
+    cache = position_cache(2)
+    for layer in range(2):
+        cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), layer)
+    layer = cache.layers[1]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # off its buffer: only it needs to grow
+
+    def runner(input_ids, position_ids, mask, logits_positions, key_stores, value_stores):
+        for store in key_stores + value_stores:
+            store[:, :, 5] = 7.0  # the new token's entries, written in place
+        return ["logits"]
+
+    passes = CompiledPasses.__new__(CompiledPasses)
+    passes.runner, passes.narrow_runner = runner, None
+    inputs = [torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 5), torch.zeros(1, 1, 1, 6), torch.zeros(1)]
+    assert passes._run_with_cache(cache, inputs) == ["logits"]
+    for layer in cache.layers:
+        assert layer.keys.shape == (1, 2, 6, 4)
+        assert (layer.keys[:, :, 5] == 7).all() and (layer.values[:, :, 5] == 7).all()
+        assert (layer.keys[:, :, :5] == 0).all()
