@@ -54,7 +54,9 @@ def grouped_sdpa_attention(
     plain = not shared_mask or dropout or special
     # the kernel computes no gradients: training (a head's decoder layer) goes through SDPA
     differentiating = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if _decode_kernel is not None and not plain and not differentiating and query.device.type == "cpu":
+    # bfloat16 only, as the kernel computes it: a float32 pass traced through the op would need it loaded to run
+    takes_kernel = query.device.type == "cpu" and query.dtype == torch.bfloat16 and not differentiating
+    if _decode_kernel is not None and not plain and takes_kernel:
         folded = query.reshape(batch, heads // groups, groups * length, dim)
         out = _decode_kernel(folded, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
         return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None

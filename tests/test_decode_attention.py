@@ -114,3 +114,19 @@ def test_a_mask_of_the_wrong_length_is_refused_as_sdpa_refuses_it(kernel):
     query, key, value, mask = folded_inputs(2, 3, 3, 1, 64, 64)
     with pytest.raises(RuntimeError):
         kernel(query, key, value, mask[..., :40], 0.125)
+
+
+def test_float32_attention_goes_around_the_kernel(monkeypatch):
+    """A float32 pass never holds the op: a package traced with it would need the kernel loaded to run."""
+
+    def refuse(*args):
+        raise AssertionError("float32 attention reached the kernel")
+
+    monkeypatch.setattr(attention, "_decode_kernel", refuse)
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 9, 1, 64, generator=generator)
+    key, value = (torch.randn(2, 3, 20, 64, generator=generator) for _ in "kv")
+    module = type("Attention", (), {"num_key_value_groups": 3})()
+    ours, _ = attention.grouped_sdpa_attention(module, query, key, value, torch.zeros(2, 1, 1, 20), scaling=0.125)
+    reference, _ = sdpa_attention_forward(module, query, key, value, torch.zeros(2, 1, 1, 20), scaling=0.125)
+    torch.testing.assert_close(ours, reference)
