@@ -468,11 +468,7 @@ def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks:
         deepest.append(values[at + 1])
         news.append(values[at + 2 : at + tree.max_depth + 3])
         at += tree.max_depth + 3
-    for check in checks:
-        raise_tree_problems(
-            values[at : at + 5], check.proposed, check.root, state.model.config.vocab_size, check.drafter
-        )
-        at += 5
+    raise_deferred(state, checks, values[at:])
     paths, going = [], []
     for slot, (row, tree, (order, new), depth, host_new) in enumerate(zip(rows, trees, outcomes, depths, news)):
         path = order[: depth + 1]
@@ -498,11 +494,7 @@ def accept_roots_greedy(state: Decoding, tokens: torch.Tensor, out, drafting: bo
     chains' checks, without a tree's acceptance per row."""
     rows, going = state.active, []
     values = torch.cat([tokens] + [check.problems.long() for check in checks]).tolist()
-    for at, check in enumerate(checks):
-        start = len(rows) + 5 * at
-        raise_tree_problems(
-            values[start : start + 5], check.proposed, check.root, state.model.config.vocab_size, check.drafter
-        )
+    raise_deferred(state, checks, values[len(rows) :])
     for slot, (row, token) in enumerate(zip(rows, values)):
         row.stats.plain_steps += not drafting
         row.stats.count_depths(0, 0)
@@ -516,6 +508,13 @@ def accept_roots_greedy(state: Decoding, tokens: torch.Tensor, out, drafting: bo
     for row, length in zip(rows, keep_new_entries(state.cache, [row.cached for row in rows], cache_length)):
         row.cached = length
     return going
+
+
+def raise_deferred(state: Decoding, checks: list[DeferredCheck], flags: list[int]) -> None:
+    """Raise what the proposed chains' checks found: `flags`, their problems as read back, five a check."""
+    for at, check in enumerate(checks):
+        problems = flags[5 * at : 5 * at + 5]
+        raise_tree_problems(problems, check.proposed, check.root, state.model.config.vocab_size, check.drafter)
 
 
 def retire(state: Decoding, going: list[int]) -> None:
