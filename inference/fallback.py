@@ -6,17 +6,17 @@ loop measures it: the wall time of whole steps (draft, verify, accept, observe) 
 committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed).
 `price` plain steps early on price plain decoding (one for a single sequence, whose call is short; a batch
 takes two, as a step's time is noisy and the batch runs long). While the recent drafted steps (at least `judge`
-of them: acceptance comes in bursts, and a few unlucky steps say little) commit fewer tokens per second than
-plain steps, the loop decodes plainly for `hold` steps (four times longer each time drafting loses again, up to
-`max_hold`), then drafts to look again.
+of them: acceptance comes in bursts, and a few unlucky steps say little, unless they lose clearly) commit fewer
+tokens per second than plain steps, the loop decodes plainly for `hold` steps (four times longer each time drafting
+loses again, up to `max_hold`), then drafts to look again.
 
 A look after a hold is a probe, and probes are what a losing drafter costs (a drafter slower than plain decoding
-spends nearly all its drafted steps in probes). So a probe that loses by more than
-`PROBE_MARGIN` after `PROBE` timed steps ends there; a hold is at least long enough that the next probe, priced
-at the loss measured last (its steps times the share of a plain step's tokens they fell short by), costs at most
-`PROBE_SHARE` of the hold's tokens; and a call whose drafter was losing when its last call ended (`last_ratio`:
-its drafted steps' tokens per second over plain steps', kept per heads by the caller) starts with such a hold: it
-prices plain decoding first, then probes.
+spends nearly all its drafted steps in probes). So drafting that loses by more than `PROBE_MARGIN` after `PROBE`
+timed steps stops there, the first look as a probe (plain decoding is priced after `PROBE` drafted steps for that);
+a hold is at least long enough that the next probe, priced at the loss measured last (the plain steps its drafted
+steps cost more than the tokens they committed), costs at most `PROBE_SHARE` of the hold's tokens; and a call
+whose drafter was losing when its last call ended (`last_ratio`: its drafted steps' tokens per second over plain
+steps', kept per heads by the caller) starts with such a hold: it prices plain decoding first, then probes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class Fallback:
         self.plain: deque[tuple[float, float]] = deque(maxlen=window)
         lost_before = last_ratio is not None and last_ratio < 1
         self.plain_left = self.hold_for(last_ratio) if lost_before else 0  # plain steps to take before drafting again
-        self.probing = lost_before  # drafting after a hold: judged early when it loses clearly
         self.ratio: float | None = None  # the last judgement: drafted steps' tokens per second over plain steps'
         self.lost = False  # whether the last judgement went to plain decoding
         self.warm = False  # the first drafted step also feeds the drafter the whole prompt: not timed
@@ -55,7 +54,7 @@ class Fallback:
     def use_drafter(self) -> bool:
         if not self.enabled:
             return True
-        if self.plain_left == 0 and len(self.plain) < self.price and len(self.drafted) >= self.judge:
+        if self.plain_left == 0 and len(self.plain) < self.price and len(self.drafted) >= min(PROBE, self.judge):
             self.plain_left = self.price - len(self.plain)  # price plain decoding
         return self.plain_left == 0
 
@@ -77,28 +76,31 @@ class Fallback:
             self.drafted.append((tokens, seconds))
         if len(self.plain) < self.price:
             return
-        clearly_losing = (
-            self.probing and len(self.drafted) >= PROBE and rate(self.drafted) < PROBE_MARGIN * rate(self.plain)
-        )
+        clearly_losing = len(self.drafted) >= PROBE and rate(self.drafted) < PROBE_MARGIN * rate(self.plain)
         if len(self.drafted) < self.judge and not clearly_losing:
             return
         self.ratio = rate(self.drafted) / max(rate(self.plain), 1e-12)
         self.lost = self.ratio < 1
         if self.lost:
-            self.plain_left = max(self.hold, self.hold_for(self.ratio))
+            self.plain_left = max(self.hold, self.hold_for(self.ratio, tokens_per_step(self.drafted)))
             self.hold = min(4 * self.hold, self.max_hold)
             self.drafted.clear()  # after the hold, drafting is judged afresh
             # and its first step is not timed: it also feeds the drafter what the hold committed, a cost of
             # switching that grows with the hold; timing it would hold off drafting longer each time
             self.warm = False
-            self.probing = True
         else:
-            self.hold, self.probing = self.first_hold, False
+            self.hold = self.first_hold
 
-    def hold_for(self, ratio: float) -> int:
-        """Plain steps after which a probe (PROBE timed steps and an untimed one) losing `ratio` of a plain step's
-        tokens per second costs at most PROBE_SHARE of them."""
-        return min(self.max_hold, math.ceil((PROBE + 1) * (1 - ratio) / PROBE_SHARE))
+    def hold_for(self, ratio: float, tokens: float = 1.0) -> int:
+        """Plain steps after which a probe (PROBE timed steps and an untimed one), whose drafted steps commit `tokens`
+        each at `ratio` of plain decoding's tokens per second, costs at most PROBE_SHARE of them: such a step takes
+        tokens / ratio plain steps' time for its tokens."""
+        loss = (PROBE + 1) * tokens * (1 / max(ratio, 1e-3) - 1)
+        return min(self.max_hold, math.ceil(loss / PROBE_SHARE))
+
+
+def tokens_per_step(steps) -> float:
+    return sum(t for t, _ in steps) / max(len(steps), 1)
 
 
 def rate(steps) -> float:

@@ -34,17 +34,27 @@ def test_drafting_that_loses_to_plain_decoding_is_held_off_and_probed_again():
     assert taken.count("D") <= 12
 
 
-def test_a_probe_that_loses_clearly_ends_early_and_a_losing_drafter_starts_the_next_call_held():
-    # drafted: 1 token in 2 s (half of plain's pace); judged after 8 timed steps the first time, after 3 in a probe
-    first = Fallback(hold=4, max_hold=64)
-    taken = run(first, 60, (1, 2.0), (1, 1.0))
-    hold = first.hold_for(0.5)  # (3 + 1) steps losing half a token each, at most 5% of the hold: 40 steps
-    assert hold == 40 and taken.startswith("D" * 9 + "p" + "p" * hold + "D" * 4 + "p"), taken
+def test_drafting_that_loses_clearly_stops_after_three_steps_and_a_losing_drafter_starts_the_next_call_held():
+    # drafted: 1 token in 2 s (half of plain's pace); plain decoding priced after three timed drafted steps, which
+    # already lose clearly (under 0.8 of its pace): held off then, and a probe after the hold ends as early
+    first = Fallback(hold=4, max_hold=100)
+    taken = run(first, 100, (1, 2.0), (1, 1.0))
+    # (3 + 1) steps, each taking two plain steps' time for its one token, lose 4 plain steps: 5% of an 80-step hold
+    hold = first.hold_for(0.5)
+    assert hold == 80 and taken.startswith("D" * 4 + "p" + "p" * hold + "D" * 4 + "p"), taken
     assert first.lost and first.ratio == 0.5
     # the next call of the same heads starts with that hold, prices plain decoding there, then probes
-    second = Fallback(hold=4, max_hold=64, last_ratio=first.ratio)
-    assert run(second, 45, (1, 2.0), (1, 1.0)) == "p" * hold + "D" * 4 + "p"
+    second = Fallback(hold=4, max_hold=100, last_ratio=first.ratio)
+    assert run(second, 85, (1, 2.0), (1, 1.0)) == "p" * hold + "D" * 4 + "p"
     assert run(Fallback(last_ratio=1.3), 3, (1, 2.0), (1, 1.0)) == "DDD"  # a drafter that was winning starts drafting
+
+
+def test_a_hold_grows_with_the_tokens_a_losing_probe_step_commits():
+    fallback = Fallback(max_hold=100)
+    # at 0.8 of plain's pace a step committing 2 tokens takes 2.5 plain steps' time: it loses twice what a
+    # one-token step does
+    assert fallback.hold_for(0.8, tokens=2.0) == 2 * fallback.hold_for(0.8) == 40
+    assert fallback.hold_for(0.0) == 100  # capped at max_hold
 
 
 def test_a_batch_prices_plain_decoding_over_two_steps():
@@ -58,8 +68,8 @@ def test_a_batch_prices_plain_decoding_over_two_steps():
             steps += "D" if drafting else "p"
         return steps
 
-    assert taken(price=2) == "D" * 5 + "pp" + "D" * 23  # 2 tokens in 1.3 s: drafting goes on
-    assert taken(price=1).startswith("D" * 5 + "p" + "p" * 8)  # priced by the lucky step alone, drafting is held off
+    assert taken(price=2) == "D" * 4 + "pp" + "D" * 24  # 2 tokens in 1.3 s: drafting goes on
+    assert taken(price=1).startswith("D" * 4 + "p" + "p" * 8)  # priced by the lucky step alone, drafting is held off
 
 
 def test_a_step_that_reads_a_joining_prompt_is_not_timed():
@@ -87,7 +97,7 @@ def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
 
 def test_drafting_that_pays_keeps_drafting():
     taken = run(Fallback(), 40, (4, 2.0), (1, 1.0))
-    assert taken == "D" * 9 + "p" + "D" * 30  # plain decoding priced once, after eight timed drafted steps
+    assert taken == "D" * 4 + "p" + "D" * 35  # plain decoding priced once, after three timed drafted steps
 
 
 def test_a_disabled_fallback_always_drafts():
