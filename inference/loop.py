@@ -30,7 +30,7 @@ from heads.eagle import causal_mask
 from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
 from .cache import append_rows, keep_new_entries, keep_paths, keep_rows, new_cache
 from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
-from .drafters import Drafter, drafter_name
+from .drafters import Drafter, NoDrafter, drafter_name
 from .fallback import Fallback
 from .padding import prefill_groups, right_padded_mask
 from .prefix import MIN_PREFIX, Prefix, shared_length
@@ -156,11 +156,8 @@ def step(state: Decoding) -> bool:
     step_started = time.perf_counter()  # a step's time includes the drafter reading the last step's tokens
     observe(state)
     drafting = state.fallback.use_drafter()
-    if drafting:
-        trees, checks = draft(state)
-    else:
-        trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in state.active]
-        checks = []
+    # a plain step (the fallback's, or no drafter at all) verifies each row's root alone: no trees to build
+    trees, checks = draft(state) if drafting and not isinstance(state.drafter, NoDrafter) else (None, [])
     out = verify(state, trees)
     tokens_before = sum(row.length for row in state.active)
     going = accept_step(state, trees, out, drafting, checks)
@@ -395,12 +392,16 @@ def draft(state: Decoding) -> tuple[list[Tree], list[DeferredCheck]]:
     return trees, checks
 
 
-def verify(state: Decoding, trees: list[Tree]):
-    """ONE target pass over every row's tree: each node sees its row's committed past and its own ancestors."""
+def verify(state: Decoding, trees: list[Tree] | None):
+    """ONE target pass over every row's tree (None: each row's root alone): each node sees its row's committed past
+    and its own ancestors."""
     rows = state.active
-    ids, positions, mask = tree_inputs(
-        trees, [row.cached for row in rows], state.cache.get_seq_length(), 0, state.model.dtype
-    )
+    cached, cache_length = [row.cached for row in rows], state.cache.get_seq_length()
+    if trees is None:
+        roots = torch.stack([row.text[row.length - 1] for row in rows])
+        ids, positions, mask = root_inputs(roots, cached, cache_length, state.model.dtype)
+    else:
+        ids, positions, mask = tree_inputs(trees, cached, cache_length, 0, state.model.dtype)
     started = time.perf_counter()
     out = decoding_pass(state.model)(
         input_ids=ids,
@@ -411,11 +412,20 @@ def verify(state: Decoding, trees: list[Tree]):
         output_hidden_states=bool(state.drafter.hidden_layers),
     )
     spent = time.perf_counter() - started
-    for row, tree in zip(rows, trees):
+    for slot, row in enumerate(rows):
         row.stats.target_seconds += spent
         row.stats.target_forwards += 1
-        row.stats.tree_nodes += tree.size
+        row.stats.tree_nodes += 1 if trees is None else trees[slot].size
     return out
+
+
+def root_inputs(roots: torch.Tensor, cached: list[int], cache_length: int, dtype: torch.dtype):
+    """tree_inputs for one node a row, its root (roots [B]), built at once for all rows: input_ids [B, 1],
+    position_ids [B, 1] and the additive mask [B, 1, 1, cache_length + 1]."""
+    past = to_device(cached, roots.device)
+    columns = torch.arange(cache_length + 1, device=roots.device)
+    allowed = (columns < past[:, None]) | (columns == cache_length)
+    return roots[:, None], past[:, None], additive_mask(allowed[:, None], dtype)[:, None]
 
 
 def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_token: int, dtype: torch.dtype):
@@ -441,17 +451,22 @@ def tree_inputs(trees: list[Tree], cached: list[int], cache_length: int, pad_tok
     return ids, positions, additive_mask(allowed, dtype)[:, None]
 
 
-def accept_step(state: Decoding, trees: list[Tree], out, drafting: bool, checks: list[DeferredCheck]) -> list[int]:
-    """Each row's accepted path and new tokens: committed, their cache entries moved into place, and their hidden
-    states kept for the drafter. Returns the slots of the rows that go on.
+def accept_step(
+    state: Decoding, trees: list[Tree] | None, out, drafting: bool, checks: list[DeferredCheck]
+) -> list[int]:
+    """Each row's accepted path and new tokens (trees None: each row verified its root alone): committed, their
+    cache entries moved into place, and their hidden states kept for the drafter. Returns the slots of the rows that
+    go on.
 
     The step's one host read: every row's accepted depth and new tokens (and the deferred checks of proposed chains),
     read back together; on a GPU each read waits for the device."""
     rows = state.active
     # [B, N]: one argmax for all rows, when any row decodes greedily
     greedy = greedy_tokens(out.logits) if any(row.sampling.greedy for row in rows) else None
-    if all(tree.size == 1 for tree in trees) and all(row.sampling.greedy for row in rows):
+    if (trees is None or all(tree.size == 1 for tree in trees)) and all(row.sampling.greedy for row in rows):
         return accept_roots_greedy(state, greedy[:, 0], out, drafting, checks)
+    if trees is None:  # each row's root alone, some rows sampling
+        trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in rows]
     outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
         if row.sampling.greedy:

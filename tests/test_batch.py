@@ -8,7 +8,7 @@ import torch
 from conftest import EOS, hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, PromptLookupDrafter, SequenceDrafter, Tree, generate
-from inference.loop import prefill_inputs, tree_inputs
+from inference.loop import prefill_inputs, root_inputs, tree_inputs
 from inference.numerics import near_tie
 from test_exactness_tiny import FP32_TIE_STEPS, first_divergence, random_prompts
 
@@ -30,6 +30,14 @@ def test_tree_inputs_keep_rows_apart():
     assert allowed[1].tolist() == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
     # row 2: padding nodes see only themselves, so they never compute from nothing and never leak
     assert allowed[2].tolist() == [[1, 1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+
+
+def test_a_plain_steps_inputs_are_those_of_one_node_trees():
+    """root_inputs builds at once for all rows what tree_inputs builds from each row's one-node tree."""
+    roots, cached = torch.tensor([11, 12, 13]), [2, 5, 0]
+    expected = tree_inputs([Tree.chain(root[None]) for root in roots], cached, 5, 0, torch.bfloat16)
+    for got, want in zip(root_inputs(roots, cached, 5, torch.bfloat16), expected, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_prefill_inputs_pad_on_the_right():
