@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from heads import DraftVocabulary, MedusaConfig, MedusaHeads
-from inference.context_vocab import BOUND_SLACK, ContextVocabulary
+from inference.context_vocab import ROOM, ContextVocabulary
 from inference.drafters import as_drafter
 
 
@@ -28,28 +28,32 @@ def test_read_tokens_join_with_the_targets_rows_each_once():
     assert vocab.to_target(torch.tensor([3, 4])).tolist() == [11, 3]
     features = torch.randn(2, 4)
     torch.testing.assert_close(vocab.logits(features)[:, :5], projection(features)[:, [2, 5, 7, 11, 3]])
-    # the vocabulary spans the host's bound of what was added (4 tokens read): the 2 rows not filled are impossible
+    # the vocabulary spans its whole buffer (ROOM rows and a spare one after the base's): rows not filled are
+    # impossible
     log_probs = context.log_probs(vocab.logits(features))
-    assert vocab.weight.shape[0] == 3 + 4 and (log_probs[:, 5:].exp() == 0).all()
+    assert vocab.weight.shape[0] == 3 + ROOM + 1 and (log_probs[:, 5:].exp() == 0).all()
     torch.testing.assert_close(log_probs[:, :5], torch.log_softmax(projection(features)[:, [2, 5, 7, 11, 3]], -1))
     context.read_texts([torch.tensor([7, 11, 3, 11, 2, 3])])  # nothing new
     assert added(context) == [11, 3]
 
 
-def test_the_vocabulary_grows_past_its_room_and_the_bound_is_read_back():
+def test_the_vocabulary_grows_past_its_room_and_keeps_its_width_till_then():
     torch.manual_seed(0)
     projection = torch.nn.Linear(4, 2000)  # with a bias, grown alike
     context = ContextVocabulary(DraftVocabulary(projection, torch.tensor([2, 5, 7])))
     text = torch.randperm(2000)[:700]
-    for end in (1, 40, 41, 300, 700):  # read piece by piece; past BOUND_SLACK and past ROOM
+    widths = []
+    for end in (1, 40, 41, 300, 700):  # read piece by piece; past ROOM
         vocab = context.read_texts([text[:end]])
+        widths.append(vocab.weight.shape[0])
         expected = [token for token in text[:end].tolist() if token not in (2, 5, 7)]
         assert added(context) == expected
         filled = 3 + len(expected)
         assert torch.equal(vocab.weight[:filled], projection.weight[vocab.ids[:filled]])
         assert torch.equal(vocab.bias[:filled], projection.bias[vocab.ids[:filled]])
-        assert vocab.weight.shape[0] - filled <= BOUND_SLACK  # at most this many rows not filled yet
-    assert context.room >= 697 and context.bound == 697  # read back once the bound ran past the slack
+    # one width (one shape for the projection's kernel) till the bound would overrun the room, read back then
+    assert widths[:3] == [3 + ROOM + 1] * 3 and widths[2] < widths[3] < widths[4]
+    assert widths[4] == 3 + context.room + 1 and context.room >= context.bound >= int(context.count) == 697
 
 
 def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
