@@ -125,6 +125,26 @@ class EarlyExitHead(nn.Module):
         )
         return out.last_hidden_state
 
+    def merged_draft(self) -> nn.Module:
+        """The draft with its adapter folded into the weights of the linear maps it adapts: one product a map instead
+        of three (a compiled pass holds its own copy of the weights anyway, inference.passes.ExitPass). The merged
+        weights are new tensors; every other one is still the target's, and the target is left untouched."""
+        if self.lora is None:
+            return self.draft
+        shared = {id(t): t for t in [*self.draft.parameters(), *self.draft.buffers()]}
+        draft = copy.deepcopy(self.draft, memo=shared)  # new module objects over the same tensors
+        for name, module in list(draft.named_modules()):
+            base = module.get_base_layer() if isinstance(module, LoraLayer) else None
+            if not isinstance(base, nn.Linear):  # e.g. GPT-2's Conv1D keeps its adapter unmerged
+                continue
+            merged = nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+            merged.weight = nn.Parameter(base.weight + delta, requires_grad=False)
+            merged.bias = base.bias
+            owner, _, attribute = name.rpartition(".")
+            setattr(draft.get_submodule(owner), attribute, merged)
+        return draft
+
     def runs_on(self, target) -> bool:
         """Whether the draft's layers are `target`'s own tensors (not another model's, nor a pre-cast copy)."""
         return self.draft.get_input_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()

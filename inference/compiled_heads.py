@@ -93,7 +93,7 @@ class CompiledEarlyExit(HeadPasses):
     def key_parts(self) -> list:
         head = self.module
         config = json.dumps(dataclasses.asdict(head.config), sort_keys=True) + head.draft.config.to_json_string()
-        return [config, weights_digest(head.draft)]
+        return [config, weights_digest(head.draft), "adapter merged"]  # packages before the merge held it unmerged
 
     def name(self) -> str:
         return f"early-exit-{str(self.dtype).removeprefix('torch.')}"

@@ -128,7 +128,10 @@ class ExitPass(torch.nn.Module):
 
     def __init__(self, head):
         super().__init__()
-        self.draft = head.draft  # registered here: the head keeps it outside its own module tree
+        # registered here (the head keeps its draft outside its own module tree), the adapter merged: the package
+        # freezes the weights into itself either way, and one product a map drafts faster than three
+        # (docs/experiments.md, X13)
+        self.draft = head.merged_draft()
 
     def forward(self, input_ids, position_ids, attention_mask, key_stores, value_stores):
         cache = stored_cache(key_stores, value_stores, attention_mask.shape[-1] - input_ids.shape[1])

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 
 from conftest import hf_greedy, tiny_model
 from heads import EarlyExitConfig, EarlyExitHead, HeadConfigError, load_heads, save_heads
@@ -55,6 +56,22 @@ def test_the_adapter_never_touches_the_verifying_target():
     assert torch.equal(before, after), "the target's logits must stay bit-identical"
     assert [name for name, _ in model.named_parameters()] == names, "no adapter may be injected into the target"
     assert not torch.allclose(adapted, exit_state(model, ids, 1)), "the adapter should change the draft"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_merged_draft_computes_what_the_adapted_one_does_and_leaves_the_target_alone(family):
+    """The compiled exit pass runs the draft with its adapter folded into its weights (new tensors); GPT-2's Conv1D
+    maps keep theirs unmerged."""
+    model = tiny_model(family)
+    head, ids = early_exit(model), torch.randint(4, 97, (2, 12))
+    target = {name: p.clone() for name, p in model.state_dict().items()}
+    merged = head.merged_draft()
+    with torch.no_grad():
+        torch.testing.assert_close(merged.base_model(input_ids=ids).last_hidden_state, head(ids), atol=1e-4, rtol=0)
+    assert all(torch.equal(target[name], p) for name, p in model.state_dict().items()), "the target changed"
+    adapted = [m for m in merged.modules() if isinstance(m, LoraLayer)]
+    assert (adapted == []) == (family == "llama")  # Llama's adapted maps are plain products now
+    assert any(isinstance(m, LoraLayer) for m in head.draft.modules()), "the head's own draft keeps its adapter"
 
 
 class CheckedEarlyExitDrafter(EarlyExitDrafter):
