@@ -117,17 +117,19 @@ class Plan:
     drafter: Drafter  # proposes each step's tree (inference.drafters); NoDrafter: plain decoding
     fallback: Fallback  # when to decode plainly instead (inference.fallback)
     head: object = None  # the trained heads drafting, whose fallback's verdict the next call starts from
+    rows: int = 1  # sequences decoding at once: a verdict holds for calls decoding as many
 
     def remember(self) -> None:
-        """Keep how drafting fared against plain decoding when this call ended: a next call with these heads starts
-        with a hold when it was losing (inference.fallback)."""
+        """Keep how drafting fared against plain decoding when this call ended: a next call with these heads, as many
+        rows at once, starts with a hold when it was losing (inference.fallback). A head that wins one sequence at a
+        time may lose at eight rows, where a pass over more tokens costs more."""
         if self.head is not None and self.fallback.enabled and self.fallback.ratio is not None:
-            LAST_RATIO[self.head] = self.fallback.ratio
+            LAST_RATIO.setdefault(self.head, {})[self.rows] = self.fallback.ratio
 
 
 LAST_RATIO: weakref.WeakKeyDictionary = (
     weakref.WeakKeyDictionary()
-)  # trained heads -> Fallback.ratio of their last call
+)  # trained heads -> {rows at once: Fallback.ratio of their last call}
 
 
 def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[int, int] | None = None) -> Plan:
@@ -153,7 +155,7 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
     # measured once a machine (a line on stderr says so); python -m inference.calibrate measures ahead of time
     spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows, verbose=True)
     head = next((h for h in listed if is_trained(h)), None)
-    last_ratio = LAST_RATIO.get(head) if head is not None else None
+    last_ratio = LAST_RATIO.get(head, {}).get(rows) if head is not None else None
     if batch is None:
         drafter = as_drafter(with_defaults(heads, lookup is not False), model, spec)
         enabled = fallback and not isinstance(drafter, NoDrafter)
@@ -161,7 +163,8 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
     lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
     enabled = fallback and not isinstance(drafter, NoDrafter)
-    return Plan(drafter, Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2, last_ratio=last_ratio), head)
+    rule = Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2, last_ratio=last_ratio)
+    return Plan(drafter, rule, head, rows)
 
 
 def with_defaults(heads, lookup: bool):

@@ -161,6 +161,20 @@ def test_acceptance_by_depth_counts_what_the_oracle_got_accepted():
     assert out.stats.plain_steps == 0
 
 
+def test_a_call_starts_from_the_last_verdict_of_calls_decoding_as_many_rows():
+    """A head that lost at eight rows at once starts the next eight-row call held, but not a one-row call, where it
+    may well pay (and the other way round)."""
+    model = tiny_model("llama")
+    eagle = EagleHead(EagleConfig.for_target(model.config)).eval()
+    tree = DynamicTreeSpec(depth=2, top_k=2, nodes=3)
+    batch = engine.plan(model, eagle, tree, None, True, batch=(8, 8))
+    batch.fallback.ratio = 0.5  # as a call that ended losing leaves it
+    batch.remember()
+    assert engine.plan(model, eagle, tree, None, True, batch=(8, 8)).fallback.plain_left > 0
+    assert engine.plan(model, eagle, tree, None, True).fallback.plain_left == 0  # one row: no verdict yet
+    assert engine.plan(model, eagle, tree, None, True, batch=(16, 4)).fallback.plain_left == 0
+
+
 def test_one_plan_for_one_prompt_and_for_a_batch():
     """generate()'s heads, tree, lookup and fallback become a drafter and a fallback in one place (plan)."""
     model = tiny_model("llama")
