@@ -398,7 +398,7 @@ def verify(state: Decoding, trees: list[Tree] | None):
     rows = state.active
     cached, cache_length = [row.cached for row in rows], state.cache.get_seq_length()
     if trees is None:
-        roots = torch.stack([row.text[row.length - 1] for row in rows])
+        roots = to_device([row.host_text[row.length - 1] for row in rows], rows[0].text.device)  # one transfer
         ids, positions, mask = root_inputs(roots, cached, cache_length, state.model.dtype)
     else:
         ids, positions, mask = tree_inputs(trees, cached, cache_length, 0, state.model.dtype)
