@@ -7,7 +7,7 @@ Here the query heads sharing a key/value head are folded into the query axis ins
 [B, H_kv, groups * q, d], the mask tiled to match): the same products, without the copy (faster
 attention wherever query heads share key/value heads).
 
-Where inference.decode_attention has built its kernel (`use_decode_kernel`: bfloat16 on a CPU with AVX512-BF16),
+Where inference.kernels has built its kernels (`use_decode_kernel`: bfloat16 on a CPU with AVX512-BF16),
 the folded attention runs through that kernel, which reads a long cache several times faster than ATen's.
 
 It is registered with transformers' `AttentionInterface` under GROUPED_SDPA (with "sdpa"'s mask function), the
@@ -33,7 +33,7 @@ _decode_kernel = None  # (folded query, key, value, mask, scale) -> folded outpu
 
 
 def use_decode_kernel(kernel) -> None:
-    """Run the folded attention through `kernel` from now on: inference.decode_attention's op, which takes the
+    """Run the folded attention through `kernel` from now on: inference.kernels' attention op, which takes the
     query [B, H_kv, groups * q, d], the keys and values [B, H_kv, L, d], the unrepeated mask [B, 1, q, L] and the
     scale, and returns the folded output."""
     global _decode_kernel

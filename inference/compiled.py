@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from heads.eagle import causal_mask
 from heads.files import written_atomically
 
-from . import decode_attention, store
+from . import kernels, store
 from .cache import new_cache
 from .graph_passes import ResidualAddsApart
 from .passes import cache_shapes, export_decoding_pass, logits_positions, stores_with_room, take_entries
@@ -170,9 +170,10 @@ class CompiledPasses:
         hardware = (
             torch.cuda.get_device_name(device) if device.type == "cuda" else torch.backends.cpu.get_cpu_capability()
         )
-        kernel = decode_attention.digest() if decode_attention.wanted(device, weight.dtype) else None
-        common = [self.key_parts(), kernel, device.type, hardware, torch.__version__, transformers.__version__]
-        if device.type != "cpu" or not self.gemm_template:
+        kernel = kernels.digest() if kernels.wanted(device, weight.dtype) else None
+        packs = kernels.packs_products(device, weight.dtype)
+        common = [self.key_parts(), kernel, packs, device.type, hardware, torch.__version__, transformers.__version__]
+        if device.type != "cpu" or not self.gemm_template or packs:  # our kernel serves the passes of a few rows
             kinds = [("", INDUCTOR_OPTIONS)]
         elif template_serves_every_pass(weight.dtype):
             kinds = [("-template", TEMPLATE_OPTIONS)]
@@ -190,8 +191,8 @@ class CompiledPasses:
 
     def _prepare(self, verbose: bool) -> None:
         weight = next(self.module.parameters())
-        if decode_attention.wanted(weight.device, weight.dtype):  # traced into the packages, and run by them
-            decode_attention.load(verbose)
+        if kernels.wanted(weight.device, weight.dtype):  # traced into the packages, and run by them
+            kernels.load(verbose)
         packages = self.packages()
         program = []  # exported once, on the first package to build
 

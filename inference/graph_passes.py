@@ -1,5 +1,13 @@
-"""A graph pass given to inductor when it compiles the decoding passes (inference.compiled's INDUCTOR_OPTIONS), through
-its extension point for them (`post_grad_custom_pre_pass`).
+"""Passes over the decoding passes' graphs.
+
+packed_products: on the exported program, before inductor sees it, each bfloat16 linear layer over the module's own
+weights runs through our packed kernel (inference.kernels: `specheads::packed_linear` over
+`specheads::pack_linear_weight(weight)`); layers reading the same input (queries, keys and values; gate and up) as
+one product over their weights concatenated, as inductor's `cpp.enable_concat_linear` does for oneDNN. The packing
+depends on the weights alone, so inductor's `freezing` folds it into the package's constants.
+
+ResidualAddsApart: given to inductor (inference.compiled's INDUCTOR_OPTIONS) through its extension point for graph
+passes (`post_grad_custom_pre_pass`).
 
 ResidualAddsApart: inductor fuses a residual add into the oneDNN product before it (`_linear_pointwise.binary`, the
 add as a post-op). With a few tokens that fused call costs more than the product alone, while the add costs nothing
@@ -15,6 +23,64 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 # a frozen weight's product, as freezing packs it for oneDNN (a torch built without oneDNN has no such op)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+
+
+def packed_products(program: torch.export.ExportedProgram) -> int:
+    """Route `program`'s bfloat16 linear layers over its parameters through the packed kernel, in place (the ops
+    must be registered: inference.kernels.load); returns how many products it made. A layer whose weights do not
+    fit the kernel (outputs a multiple of 64, inputs even) stays as it is."""
+    graph = program.graph_module.graph
+    parameters = set(program.graph_signature.inputs_to_parameters)
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # each input's layers, in the graph's order
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default):
+        weight = node.args[1]
+        if weight.op == "placeholder" and weight.name in parameters and _value(weight).dtype == torch.bfloat16:
+            readers.setdefault(node.args[0], []).append(node)
+    products = 0
+    for layers in readers.values():
+        biased = [len(layer.args) > 2 and layer.args[2] is not None for layer in layers]
+        groups = [layers] if all(biased) or not any(biased) else [[layer] for layer in layers]
+        for group in groups:
+            products += _packed_product(graph, group)
+    program.graph_module.recompile()
+    return products
+
+
+def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
+    """One packed product for `layers` (of one input, all with a bias or none), each layer's output a slice of it;
+    0 where their weights do not fit the kernel."""
+    ops = torch.ops.specheads
+    weights = [layer.args[1] for layer in layers]
+    outputs = [_value(weight).shape[0] for weight in weights]
+    inputs = _value(weights[0]).shape[1]
+    if sum(outputs) % 64 or inputs % 2:
+        return 0
+    first, biases = layers[0], [layer.args[2] for layer in layers] if len(layers[0].args) > 2 else None
+    with graph.inserting_before(first):
+        weight = _call(graph, torch.ops.aten.cat.default, weights, 0) if len(layers) > 1 else weights[0]
+        bias = None
+        if biases is not None and biases[0] is not None:
+            bias = _call(graph, torch.ops.aten.cat.default, biases, 0) if len(layers) > 1 else biases[0]
+        packed = _call(graph, ops.pack_linear_weight.default, weight)
+        product = _call(graph, ops.packed_linear.default, first.args[0], packed, bias)
+        start = 0
+        for layer, width in zip(layers, outputs):
+            out = (
+                product
+                if len(layers) == 1
+                else _call(graph, torch.ops.aten.slice.Tensor, product, -1, start, start + width)
+            )
+            start += width
+            layer.replace_all_uses_with(out)
+            graph.erase_node(layer)
+    return 1
+
+
+def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A new node calling `target` on `args`, its value (meta["val"]) computed from theirs as tracing would."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, _value))
+    return node
 
 
 class ResidualAddsApart(CustomGraphPass):

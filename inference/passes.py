@@ -9,7 +9,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from heads.attention import grouped_attention
 
+from . import kernels
 from .cache import PositionLayer, position_cache
+from .graph_passes import packed_products
 
 # sizes above 1 for every dynamic dimension (torch specializes 0 and 1), and room after the cached entries
 EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED, EXAMPLE_CAPACITY, EXAMPLE_LOGITS = 2, 3, 5, 9, 2
@@ -212,19 +214,23 @@ def _cache_shapes(one_token_pass) -> list[tuple[int, int]]:
 def export_pass(
     module, example: tuple, dynamic: tuple, shapes: list[tuple[int, int]], dtype, device, extra=(), extra_dynamic=()
 ):
-    """torch.export of `module(*example, key_stores, value_stores, *extra)`: stores shaped like a cache of `shapes`."""
+    """torch.export of `module(*example, key_stores, value_stores, *extra)`: stores shaped like a cache of `shapes`; its
+    linear layers through our packed kernel where the CPU takes it (graph_passes.packed_products)."""
     stores = [
         torch.zeros(EXAMPLE_ROWS, kv_heads, EXAMPLE_CAPACITY, head_dim, dtype=dtype, device=device)
         for kv_heads, head_dim in shapes
     ]
     cache_dynamic = [{0: ROWS, 2: CAPACITY}] * len(shapes)
     with torch.no_grad():  # not inference mode: the program writes into its stores, which must not be inference tensors
-        return torch.export.export(
+        program = torch.export.export(
             module.eval(),
             (*example, stores, [s.clone() for s in stores], *extra),
             dynamic_shapes=(*dynamic, cache_dynamic, cache_dynamic, *extra_dynamic),
             strict=False,
         )
+    if kernels.packs_products(device, dtype):
+        packed_products(program)
+    return program
 
 
 def logits_positions(logits_to_keep, new: int, device) -> torch.Tensor:

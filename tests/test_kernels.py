@@ -1,5 +1,7 @@
-"""inference.decode_attention: the kernel for a few query rows over a long bfloat16 cache computes what ATen's
-scaled_dot_product_attention computes, for the shapes it takes and for those it hands to ATen."""
+"""inference.kernels: the attention kernel for a few query rows over a long bfloat16 cache computes what ATen's
+scaled_dot_product_attention computes, for the shapes it takes and for those it hands to ATen; the packed linear
+layers compute what F.linear computes, and a program whose layers graph_passes.packed_products routes through them
+computes what it did before."""
 
 from __future__ import annotations
 
@@ -8,17 +10,20 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from conftest import tiny_model
 from heads import attention
-from inference import decode_attention
+from inference import kernels
+from inference.graph_passes import packed_products
+from inference.passes import EXAMPLE_CAPACITY, export_decoding_pass
 
 pytestmark = pytest.mark.skipif(
-    not decode_attention.wanted(torch.device("cpu"), torch.bfloat16), reason="the kernel needs AVX512-BF16"
+    not kernels.wanted(torch.device("cpu"), torch.bfloat16), reason="the kernels need AVX512-BF16"
 )
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    assert decode_attention.load(verbose=False), "the kernel did not build"
+    assert kernels.load(verbose=False), "the kernels did not build"
     yield torch.ops.specheads.decode_attention.default
     attention.use_decode_kernel(None)  # the tests after these run as they would alone
 
@@ -130,3 +135,72 @@ def test_float32_attention_goes_around_the_kernel(monkeypatch):
     ours, _ = attention.grouped_sdpa_attention(module, query, key, value, torch.zeros(2, 1, 1, 20), scaling=0.125)
     reference, _ = sdpa_attention_forward(module, query, key, value, torch.zeros(2, 1, 1, 20), scaling=0.125)
     torch.testing.assert_close(ours, reference)
+
+
+@pytest.mark.parametrize(
+    "shape, outputs, inputs, bias",
+    [
+        ((1,), 64, 32, False),  # a plain step's one row
+        ((3,), 192, 96, True),  # rows short of a group of four
+        ((2, 5), 128, 64, False),  # [rows, tokens]: a tree pass
+        ((9,), 320, 48, True),  # four, four, then one
+    ],
+)
+def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inputs, bias):
+    generator = torch.Generator().manual_seed(outputs + inputs)
+    weight = torch.randn(outputs, inputs, generator=generator).bfloat16()
+    x = torch.randn(*shape, inputs, generator=generator).bfloat16()
+    b = torch.randn(outputs, generator=generator).bfloat16() if bias else None
+    ops = torch.ops.specheads
+    ours = ops.packed_linear(x, ops.pack_linear_weight(weight), b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    eager = F.linear(x, weight, b)
+    assert ours.shape == eager.shape and ours.dtype == torch.bfloat16
+    # as near the exact result as oneDNN's bfloat16 product: within a rounding of the output
+    assert (ours.double() - exact).abs().max() <= (eager.double() - exact).abs().max() * 1.5 + 1e-3
+
+
+def test_a_wrongly_packed_weight_would_be_caught(kernel):
+    """The comparison above can fail: a weight packed with its columns one group out of place."""
+    generator = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(128, 32, generator=generator).bfloat16(), torch.randn(2, 32, generator=generator).bfloat16()
+    ops = torch.ops.specheads
+    ours = ops.packed_linear(x, ops.pack_linear_weight(weight.roll(64, 0)), None)
+    assert (ours.double() - F.linear(x.double(), weight.double())).abs().max() > 0.5
+
+
+def test_a_weight_or_input_the_kernel_cannot_take_is_refused_saying_why(kernel):
+    ops = torch.ops.specheads
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.pack_linear_weight(torch.zeros(100, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="32 features was expected"):
+        ops.packed_linear(
+            torch.zeros(2, 30, dtype=torch.bfloat16), ops.pack_linear_weight(torch.zeros(64, 32).bfloat16()), None
+        )
+
+
+def test_a_program_through_packed_products_computes_what_it_did(kernel, monkeypatch):
+    """A bfloat16 Llama's exported pass: queries, keys and values one product, gate and up one, the output and down
+    projections one each, a layer, and the logits' projection: the same logits and hidden states as before."""
+    model = tiny_model("llama", vocab_size=128).bfloat16()
+    monkeypatch.setattr(kernels, "packs_products", lambda device, dtype: False)  # exported as it is, then routed
+    program = export_decoding_pass(model)
+    rows, tokens, cached = 2, 3, 4
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(128, (rows, tokens), generator=generator)
+    positions = (torch.arange(tokens) + cached).expand(rows, -1).contiguous()
+    mask = torch.zeros(rows, 1, tokens, cached + tokens, dtype=torch.bfloat16)
+    mask[..., cached:] = torch.full((tokens, tokens), torch.finfo(torch.bfloat16).min).triu(1)
+    stores = [torch.randn(rows, 2, EXAMPLE_CAPACITY, 16, generator=generator).bfloat16() for _ in range(4)]
+
+    def run():
+        keys, values = [s.clone() for s in stores[:2]], [s.clone() for s in stores[2:]]
+        return program.module()(ids, positions, mask, torch.arange(tokens), keys, values)
+
+    before = run()
+    assert packed_products(program) == 2 * 4 + 1
+    linear = torch.ops.aten.linear.default
+    assert not program.graph_module.graph.find_nodes(op="call_function", target=linear)
+    after = run()
+    for old, new in zip([before[0], *before[1]], [after[0], *after[1]], strict=True):
+        torch.testing.assert_close(new.float(), old.float(), atol=0.05, rtol=0.05)
