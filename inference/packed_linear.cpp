@@ -6,8 +6,8 @@
 // The weight [N, K] is packed once (a compiled graph folds the packing into its constants) into groups of 64 output
 // columns, each group one contiguous stream [K/2][4][16][2]: a 64-byte load holds 16 columns' pairs of inputs, which
 // AVX512-BF16's dot product multiplies with an input pair broadcast, summing in fp32 (the bias, if any, first), rounded
-// to bfloat16 once at the end as oneDNN's are. Rows go four at a time: a group streams from memory for the first four
-// and from the cache for the next ones.
+// to bfloat16 once at the end as oneDNN's are. Up to six rows share a tile (24 accumulators): a group streams from
+// memory for the first tile and from the cache for the next ones.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,15 +81,21 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
     for (int64_t g = first; g < last; ++g) {
       const at::BFloat16* wg = wp + g * pairs * 2 * kColumns;
       const float* bg = bp != nullptr ? bp + g * kColumns : nullptr;
-      for (int64_t m = 0; m < M; m += 4) {
+      // rows in as few tiles as six rows a tile allow, as even as possible (7 as 4 + 3, not 6 + 1: a tile of
+      // one row is bound by its dot products' latency)
+      for (int64_t m = 0, tiles = (M + 5) / 6; m < M; --tiles) {
+        const int64_t rows = (M - m + tiles - 1) / tiles;
         const uint32_t* xm = xp + m * pairs;
         at::BFloat16* om = op + m * N + g * kColumns;
-        switch (std::min<int64_t>(M - m, 4)) {
+        switch (rows) {
+          case 6: tile<6>(xm, pairs, wg, pairs, bg, om, N); break;
+          case 5: tile<5>(xm, pairs, wg, pairs, bg, om, N); break;
           case 4: tile<4>(xm, pairs, wg, pairs, bg, om, N); break;
           case 3: tile<3>(xm, pairs, wg, pairs, bg, om, N); break;
           case 2: tile<2>(xm, pairs, wg, pairs, bg, om, N); break;
           default: tile<1>(xm, pairs, wg, pairs, bg, om, N);
         }
+        m += rows;
       }
     }
   });

@@ -141,9 +141,10 @@ def test_float32_attention_goes_around_the_kernel(monkeypatch):
     "shape, outputs, inputs, bias",
     [
         ((1,), 64, 32, False),  # a plain step's one row
-        ((3,), 192, 96, True),  # rows short of a group of four
+        ((3,), 192, 96, True),  # one tile of three rows
         ((2, 5), 128, 64, False),  # [rows, tokens]: a tree pass
-        ((9,), 320, 48, True),  # four, four, then one
+        ((7,), 64, 64, False),  # tiles of four and three rows
+        ((13,), 320, 48, True),  # tiles of five, four and four
     ],
 )
 def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inputs, bias):
