@@ -38,7 +38,7 @@ def packed_products(program: torch.export.ExportedProgram) -> int:
             readers.setdefault(node.args[0], []).append(node)
     products = 0
     for layers in readers.values():
-        biased = [len(layer.args) > 2 and layer.args[2] is not None for layer in layers]
+        biased = [_bias(layer) is not None for layer in layers]
         groups = [layers] if all(biased) or not any(biased) else [[layer] for layer in layers]
         for group in groups:
             products += _packed_product(graph, group)
@@ -55,11 +55,11 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
     inputs = _value(weights[0]).shape[1]
     if sum(outputs) % 64 or inputs % 2:
         return 0
-    first, biases = layers[0], [layer.args[2] for layer in layers] if len(layers[0].args) > 2 else None
+    first, biases = layers[0], [_bias(layer) for layer in layers]
     with graph.inserting_before(first):
         weight = _call(graph, torch.ops.aten.cat.default, weights, 0) if len(layers) > 1 else weights[0]
         bias = None
-        if biases is not None and biases[0] is not None:
+        if biases[0] is not None:
             bias = _call(graph, torch.ops.aten.cat.default, biases, 0) if len(layers) > 1 else biases[0]
         packed = _call(graph, ops.pack_linear_weight.default, weight)
         product = _call(graph, ops.packed_linear.default, first.args[0], packed, bias)
@@ -74,6 +74,10 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
             layer.replace_all_uses_with(out)
             graph.erase_node(layer)
     return 1
+
+
+def _bias(layer: torch.fx.Node) -> torch.fx.Node | None:
+    return layer.args[2] if len(layer.args) > 2 else layer.kwargs.get("bias")
 
 
 def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
