@@ -1,17 +1,16 @@
 """Our CPU kernels for bfloat16 passes on CPUs with AVX512-BF16, built from C++ into one extension:
 
-- decode_attention.cpp, `specheads::decode_attention`: attention of a few query rows over a long cache. ATen's flash
-  attention reads a bfloat16 cache at 11-16 GB/s for one query token a row on a 2-core EPYC (a third of a batch step's
-  time at 16 rows of 500 entries); the kernel reads it at 55-66 GB/s (docs/experiments.md, row X9). heads.attention's
+- decode_attention.cpp, `specheads::decode_attention`: attention of a few query rows over a long cache, which it
+  reads several times faster than ATen's flash attention does (docs/experiments.md, row X9). heads.attention's
   grouped attention runs through it.
 - packed_linear.cpp, `specheads::pack_linear_weight` and `specheads::packed_linear`: linear layers over weights
-  packed once, which a pass of a few tokens reads at about 51 GB/s where oneDNN's products read them at about 38
-  (row X14). graph_passes.PackedProducts puts them in the compiled passes, on CPUs without AMX tiles (with them,
-  inductor's GEMM template serves every pass: inference.compiled).
+  packed once, which a pass of a few tokens reads faster than oneDNN's products do (row X14).
+  graph_passes.packed_products puts them in the compiled passes, on CPUs without AMX tiles (with them, inductor's
+  GEMM template serves every pass: inference.compiled).
 
-The extension is built once a machine into the store (C++ through torch's extension builder, about 30 s) when bfloat16
-passes are compiled on such a CPU; compiled packages hold the ops (and load them to run). Where it cannot be built, a
-warning says why and the passes run through ATen's and oneDNN's kernels as before.
+The extension is built once a machine into the store (C++ through torch's extension builder) when bfloat16 passes
+are compiled on such a CPU; compiled packages hold the ops (and load them to run). Where it cannot be built, a warning
+says why and the passes run through ATen's and oneDNN's kernels as before.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 // Linear layers of a few rows over bfloat16 weights, on a CPU with AVX512-BF16: the ops `specheads::pack_linear_weight`
-// and `specheads::packed_linear` (built and registered by inference/kernels.py; graph_passes.PackedProducts puts them
-// in the compiled passes). A pass over a few tokens reads every weight once, and oneDNN's products read them at about
-// 38 GB/s on a 2-core EPYC; these read them at about 51 GB/s (docs/experiments.md, row X14).
+// and `specheads::packed_linear` (built and registered by inference/kernels.py; graph_passes.packed_products puts
+// them in the compiled passes). A pass over a few tokens reads every weight once: these read them faster than oneDNN's
+// products do (docs/experiments.md, row X14).
 //
 // The weight [N, K] is packed once (a compiled graph folds the packing into its constants) into groups of 64 output
 // columns, each group one contiguous stream [K/2][4][16][2]: a 64-byte load holds 16 columns' pairs of inputs, which
