@@ -11,7 +11,9 @@ at about the memory's pace where oneDNN's kernels read them at about half of it.
 template beats oneDNN at every width (prompts included), so one package serves every pass; elsewhere it falls far
 behind past a few rows, so a second package with oneDNN's products serves passes of more than NARROW_TOKENS tokens.
 Whether the template's narrow package beats oneDNN's at all differs between CPUs without AMX: the first process to
-build it times a one-token pass through each, and keeps it only where it is faster (`narrow_verdict`).
+build it times a one-token pass through each, and keeps it only where it is faster (`narrow_verdict`). In bfloat16 on
+a CPU with AVX512-BF16 and no AMX, our own kernel takes the linear layers instead (inference.kernels, put in by
+graph_passes.packed_products when the pass is exported): one package, no template.
 
 The first use builds the packages in this process, with a progress line, under a lock (inference.store); later
 processes load them in seconds. A package is keyed by a digest of every weight, so changed weights get their own.
