@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from . import kernels
+
 # a frozen weight's product, as freezing packs it for oneDNN (a torch built without oneDNN has no such op)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
@@ -28,7 +30,7 @@ LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_
 def packed_products(program: torch.export.ExportedProgram) -> int:
     """Route `program`'s bfloat16 linear layers over its parameters through the packed kernel, in place (the ops
     must be registered: inference.kernels.load); returns how many products it made. A layer whose weights do not
-    fit the kernel (outputs a multiple of 64, inputs even) stays as it is."""
+    fit the kernel (kernels.fits_packed) stays as it is."""
     graph = program.graph_module.graph
     parameters = set(program.graph_signature.inputs_to_parameters)
     readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # each input's layers, in the graph's order
@@ -53,7 +55,7 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
     weights = [layer.args[1] for layer in layers]
     outputs = [_value(weight).shape[0] for weight in weights]
     inputs = _value(weights[0]).shape[1]
-    if sum(outputs) % 64 or inputs % 2:
+    if not kernels.fits_packed(sum(outputs), inputs):
         return 0
     first, biases = layers[0], [_bias(layer) for layer in layers]
     with graph.inserting_before(first):

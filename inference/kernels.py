@@ -52,6 +52,11 @@ def packs_products(device: torch.device, dtype: torch.dtype) -> bool:
     return wanted(device, dtype) and not torch.cpu._is_amx_tile_supported()
 
 
+def fits_packed(outputs: int, inputs: int) -> bool:
+    """Whether the packed linear kernel takes a weight [outputs, inputs]: outputs in groups of 64, inputs in pairs."""
+    return outputs % 64 == 0 and inputs % 2 == 0
+
+
 def digest() -> str:
     """Part of the compiled packages' key: packages traced with the kernels hold this version of them."""
     return get_hash_for_files(tuple(str(source) for source in SOURCES)).hex()

@@ -33,7 +33,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Cal
     bias = None if bias is None else bias.detach()
     if not packs(weight):
         return lambda x: F.linear(x, weight, bias)
-    fits = weight.shape[0] % 64 == 0 and weight.shape[1] % 2 == 0
+    fits = kernels.fits_packed(*weight.shape)
     if fits and kernels.packs_products(weight.device, weight.dtype) and kernels.load():  # says so if it builds
         ours = torch.ops.specheads.pack_linear_weight(weight)
         return lambda x: torch.ops.specheads.packed_linear(x, ours, bias)
