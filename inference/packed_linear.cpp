@@ -6,8 +6,8 @@
 // The weight [N, K] is packed once (a compiled graph folds the packing into its constants) into groups of 64 output
 // columns, each group one contiguous stream [K/2][4][16][2]: a 64-byte load holds 16 columns' pairs of inputs, which
 // AVX512-BF16's dot product multiplies with an input pair broadcast, summing in fp32 (the bias, if any, first), rounded
-// to bfloat16 once at the end as oneDNN's are. Up to six rows share a tile (24 accumulators): a group streams from
-// memory for the first tile and from the cache for the next ones.
+// to bfloat16 once at the end as oneDNN's are. Up to six rows share a tile (24 accumulators); more rows take several
+// tiles, in turn over each chunk of a group's stream, so the stream is read from memory once (docs/experiments.md X16).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -32,19 +33,22 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return weight.contiguous().view({N / kColumns, kBlocks, 16, K / 2, 2}).permute({0, 3, 1, 2, 4}).contiguous();
 }
 
-// rows x 64 columns: x holds `rows` rows of K/2 input pairs (row stride ldx pairs), w one group's stream
+// rows x 64 columns over input pairs [begin, end): x holds `rows` rows of input pairs (row stride ldx pairs), w one
+// group's stream. The sums start from the bias (or zero) when begin is 0, else from `sums` [rows][64]; they are
+// rounded into `out` when `out` is given, else kept in `sums`. `ahead`: how far (in elements of w) to prefetch, 0 not.
 template <int kRows>
-inline void tile(const uint32_t* x, int64_t ldx, const at::BFloat16* w, int64_t pairs, const float* bias,
-                 at::BFloat16* out, int64_t ldo) {
+inline void tile(const uint32_t* x, int64_t ldx, const at::BFloat16* w, int64_t begin, int64_t end, int64_t ahead,
+                 const float* bias, float* sums, at::BFloat16* out, int64_t ldo) {
   __m512 acc[kRows][kBlocks];
   for (int b = 0; b < kBlocks; ++b) {
     const __m512 start = bias != nullptr ? _mm512_loadu_ps(bias + 16 * b) : _mm512_setzero_ps();
-    for (int r = 0; r < kRows; ++r) acc[r][b] = start;
+    for (int r = 0; r < kRows; ++r) acc[r][b] = begin == 0 ? start : _mm512_loadu_ps(sums + r * kColumns + 16 * b);
   }
-  for (int64_t k = 0; k < pairs; ++k) {
+  for (int64_t k = begin; k < end; ++k) {
     const at::BFloat16* wk = w + k * 2 * kColumns;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * 2 * kColumns), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * 2 * kColumns + 32), _MM_HINT_T0);
+    if (ahead != 0)
+      for (int line = 0; line < 4; ++line)  // a pair's 256 bytes: four cache lines
+        _mm_prefetch(reinterpret_cast<const char*>(wk + ahead + 32 * line), _MM_HINT_T0);
     __m512bh wv[kBlocks];
     for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wk + 32 * b);
     for (int r = 0; r < kRows; ++r) {
@@ -53,9 +57,20 @@ inline void tile(const uint32_t* x, int64_t ldx, const at::BFloat16* w, int64_t 
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBlocks; ++b)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * b), (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+    for (int b = 0; b < kBlocks; ++b) {
+      if (out != nullptr)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + 16 * b),
+                            (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+      else
+        _mm512_storeu_ps(sums + r * kColumns + 16 * b, acc[r][b]);
+    }
 }
+
+using Tile = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t, const float*, float*,
+                      at::BFloat16*, int64_t);
+constexpr Tile kTiles[] = {tile<1>, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr int64_t kChunk = 32;  // input pairs (8 KiB of a group's stream) every tile takes in turn
+constexpr int64_t kChunkedTiles = 4;  // with more tiles, each streams the whole group from the cache in turn
 
 // input [..., K] times the packed weight's transpose, plus the bias: [..., N] in bfloat16
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
@@ -72,30 +87,33 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   const at::Tensor x = input.reshape({-1, 2 * pairs}).contiguous();
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, input.options());
+  if (M == 0) return out.view(sizes);
   const at::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  // rows in as few tiles as six rows a tile allow, as even as possible (7 as 4 + 3, not 6 + 1: a tile of one row is
+  // bound by its dot products' latency)
+  const int64_t tiles = std::max<int64_t>(1, (M + 5) / 6);
+  std::vector<int64_t> first_row(tiles + 1, 0);
+  for (int64_t t = 0; t < tiles; ++t) first_row[t + 1] = first_row[t] + (M - first_row[t] + tiles - t - 1) / (tiles - t);
+  const int64_t step = 2 * kColumns, chunk = tiles == 1 || tiles > kChunkedTiles ? pairs : kChunk;
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> sums(6 * tiles * kColumns);  // each tile's sums between chunks
     for (int64_t g = first; g < last; ++g) {
-      const at::BFloat16* wg = wp + g * pairs * 2 * kColumns;
+      const at::BFloat16* wg = wp + g * pairs * step;
       const float* bg = bp != nullptr ? bp + g * kColumns : nullptr;
-      // rows in as few tiles as six rows a tile allow, as even as possible (7 as 4 + 3, not 6 + 1: a tile of
-      // one row is bound by its dot products' latency)
-      for (int64_t m = 0, tiles = (M + 5) / 6; m < M; --tiles) {
-        const int64_t rows = (M - m + tiles - 1) / tiles;
-        const uint32_t* xm = xp + m * pairs;
-        at::BFloat16* om = op + m * N + g * kColumns;
-        switch (rows) {
-          case 6: tile<6>(xm, pairs, wg, pairs, bg, om, N); break;
-          case 5: tile<5>(xm, pairs, wg, pairs, bg, om, N); break;
-          case 4: tile<4>(xm, pairs, wg, pairs, bg, om, N); break;
-          case 3: tile<3>(xm, pairs, wg, pairs, bg, om, N); break;
-          case 2: tile<2>(xm, pairs, wg, pairs, bg, om, N); break;
-          default: tile<1>(xm, pairs, wg, pairs, bg, om, N);
+      // A group streams from memory once: each chunk is read by the first tile from memory (prefetched a little
+      // ahead), then by the others from the cache, while they prefetch the next chunk, so that memory and the dot
+      // products overlap.
+      for (int64_t begin = 0; begin < pairs; begin += chunk) {
+        const int64_t end = std::min(pairs, begin + chunk);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = first_row[t], rows = first_row[t + 1] - m;
+          kTiles[rows](xp + m * pairs, pairs, wg, begin, end, t == 0 ? kAhead * step : t == 1 ? chunk * step : 0, bg,
+                       sums.data() + t * 6 * kColumns, end == pairs ? op + m * N + g * kColumns : nullptr, N);
         }
-        m += rows;
       }
     }
   });

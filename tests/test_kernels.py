@@ -145,6 +145,8 @@ def test_float32_attention_goes_around_the_kernel(monkeypatch):
         ((2, 5), 128, 64, False),  # [rows, tokens]: a tree pass
         ((7,), 64, 64, False),  # tiles of four and three rows
         ((13,), 320, 48, True),  # tiles of five, four and four
+        ((10,), 128, 200, True),  # two tiles taking 100 input pairs in chunks of 32, the last one short
+        ((30,), 64, 70, False),  # five tiles: each streams the whole group in turn
     ],
 )
 def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inputs, bias):
