@@ -44,6 +44,9 @@ class DraftVocabulary:
         self._target_rows = None if own_rows or draft_ids is None else (lm_head.weight, getattr(lm_head, "bias", None))
         # the base rows' product, when a drafter gives a faster one (inference.packed: their weights packed once)
         self.base_projection = None
+        # the product over every row, base and added, where whoever added them keeps a faster one (a context
+        # vocabulary's packed buffer: inference.context_vocab)
+        self.projection = None
 
     @property
     def extensible(self) -> bool:
@@ -62,7 +65,7 @@ class DraftVocabulary:
     def with_rows(self, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor) -> DraftVocabulary:
         """This vocabulary with other rows (the first `base_size` its own, then added ones; inference.context_vocab)."""
         grown = copy.copy(self)
-        grown.weight, grown.bias, grown.ids = weight, bias, ids
+        grown.weight, grown.bias, grown.ids, grown.projection = weight, bias, ids, None
         return grown
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,8 @@ class DraftVocabulary:
         if self.norm is not None:
             features = self.norm(features)
         features = features.to(self.weight.dtype)
+        if self.projection is not None:
+            return self.projection(features)
         if self.base_projection is None:
             return F.linear(features, self.weight, self.bias)
         base = self.base_projection(features)

@@ -18,6 +18,8 @@ import torch
 
 from heads import DraftVocabulary
 
+from .packed import packable_rows, write_packed_rows
+
 
 def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
     """A head's log-probabilities in float32, -inf where they are NaN (non-finite weights): impossible drafts."""
@@ -66,8 +68,13 @@ class ContextVocabulary:
 
     def _allocate(self, room: int) -> None:
         """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row that
-        takes the writes of tokens already in."""
+        takes the writes of tokens already in. Where our packed kernel serves it, the room is rounded up to fill its
+        groups of 64 rows, and the buffer is kept packed too (`packed`), its rows written as they are added: the
+        whole vocabulary is then one product, no added rows through a kernel of their own (0.1 ms a draft level on
+        a 2-core EPYC, where the product over the 8,192 base rows takes about twice that)."""
         size, old = self.base.base_size, self.weight
+        rows = packable_rows(size + room + 1, self.base.weight)
+        room = room if rows is None else rows - size - 1
         weight = self.base.weight.new_zeros(size + room + 1, self.base.weight.shape[1])
         ids = self.base.ids.new_zeros(size + room + 1)
         bias = None if self.base.bias is None else self.base.bias.new_zeros(size + room + 1)
@@ -78,6 +85,7 @@ class ContextVocabulary:
             if bias is not None:
                 bias[:kept] = self.base.bias if old is None else self.bias[:kept]
         self.weight, self.bias, self.ids, self.room = weight, bias, ids, room
+        self.packed = None if rows is None else torch.ops.specheads.pack_linear_weight(weight)
 
     def _add(self, tokens: torch.Tensor) -> None:
         """Append the rows of `tokens` not in the vocabulary yet, each once."""
@@ -99,6 +107,8 @@ class ContextVocabulary:
         weight, bias = self.base.target_rows
         with torch.no_grad():
             self.weight[rows] = weight[tokens]
+            if self.packed is not None:
+                write_packed_rows(self.packed, rows, weight[tokens])
             self.ids[rows] = tokens
             if bias is not None:
                 self.bias[rows] = bias[tokens]
@@ -106,11 +116,15 @@ class ContextVocabulary:
         self.count = self.count + new.sum()
         self.bound += count
         self.current = self.base.with_rows(self.weight, self.bias, self.ids)
+        if self.packed is not None:
+            packed, bias = self.packed, self.bias
+            self.current.projection = lambda x: torch.ops.specheads.packed_linear(x, packed, bias)
 
     def _leave_inference_mode(self) -> None:
         """Copies of the state made inside generate() (inference tensors, which only inference mode may write)."""
         self.seen, self.member, self.count = self.seen.clone(), self.member.clone(), self.count.clone()
         self.weight, self.ids = self.weight.clone(), self.ids.clone()
+        self.packed = None if self.packed is None else self.packed.clone()
         self.bias = None if self.bias is None else self.bias.clone()
 
     def _mask_unseen(self) -> None:

@@ -39,3 +39,18 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Cal
         return lambda x: torch.ops.specheads.packed_linear(x, ours, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packable_rows(count: int, like: torch.Tensor) -> int | None:
+    """For a weight of `count` rows shaped and typed as `like` [N, K]: the row count our packed kernel takes it in
+    (its outputs come in groups of 64), or None where the kernel does not serve such a weight."""
+    rows = -(-count // 64) * 64
+    if like.device.type != "cpu" or not kernels.packs_products(like.device, like.dtype):
+        return None
+    return rows if kernels.fits_packed(rows, like.shape[1]) and kernels.load() else None
+
+
+def write_packed_rows(packed: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """Set rows `rows` of a weight packed by `specheads::pack_linear_weight` to values [n, K], in place: row r is
+    column r % 16 of block r % 64 // 16 of group r // 64, its inputs in pairs."""
+    packed[rows // 64, :, rows % 64 // 16, rows % 16] = values.view(values.shape[0], -1, 2)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import tiny_model
-from heads import attention
+from heads import DraftVocabulary, attention
 from inference import kernels
+from inference.context_vocab import ContextVocabulary
 from inference.graph_passes import packed_products
 from inference.passes import EXAMPLE_CAPACITY, export_decoding_pass
 
@@ -207,3 +208,20 @@ def test_a_program_through_packed_products_computes_what_it_did(kernel, monkeypa
     after = run()
     for old, new in zip([before[0], *before[1]], [after[0], *after[1]], strict=True):
         torch.testing.assert_close(new.float(), old.float(), atol=0.05, rtol=0.05)
+
+
+def test_a_context_vocabulary_drafts_through_one_packed_product(kernel, monkeypatch):
+    monkeypatch.setattr(kernels, "packs_products", lambda device, dtype: True)  # whatever this CPU would choose
+    generator = torch.Generator().manual_seed(0)
+    projection = torch.nn.Linear(32, 500, bias=True).bfloat16()
+    context = ContextVocabulary(DraftVocabulary(projection, torch.arange(0, 500, 7)))  # 72 base rows
+    text = torch.randperm(500, generator=generator)[:300]
+    for end in (5, 6, 200, 300):  # past the first room: the buffer grows and is packed again
+        vocab = context.read_texts([text[:end]])
+        assert vocab.projection is not None and vocab.weight.shape[0] % 64 == 0
+        features = torch.randn(3, 32, generator=generator).bfloat16()
+        eager = F.linear(features, vocab.weight, vocab.bias)
+        # the rows written into the packed buffer as they joined: as if the whole buffer were packed now
+        packed_now = torch.ops.specheads.pack_linear_weight(vocab.weight)
+        assert torch.equal(vocab.logits(features), torch.ops.specheads.packed_linear(features, packed_now, vocab.bias))
+        assert (vocab.logits(features) - eager).abs().max() <= 0.05 * eager.abs().max()
