@@ -1,12 +1,14 @@
 // Attention of a few query rows over a long bfloat16 cache, on a CPU with AVX512-BF16: the `specheads::decode_attention`
-// op (built and registered by inference/decode_attention.py). ATen's flash attention reads such a cache at 11-16 GB/s
+// op (built and registered by inference/kernels.py). ATen's flash attention reads such a cache at 11-16 GB/s
 // on a 2-core EPYC, for one query token a row; this reads it at 55-66 GB/s, near what the memory gives.
 //
 // query [B, H, G, D] (G query rows a key/value head: its query heads folded into the rows), key and value [B, H, L, D]
 // (the last dim contiguous), mask [B, 1, Q, L] additive, row g reading mask row g % Q. Scores are exact fp32 dot
-// products of the bfloat16 values (AVX512-BF16's dot product), the softmax and the weighted sum in fp32; the keys are
-// split into chunks across threads and merged by their maxima (flash decoding). Anything else (more rows, float32,
-// another head size) goes to ATen's scaled_dot_product_attention, so a compiled graph has one op for every shape.
+// products of the bfloat16 values (AVX512-BF16's dot product), the softmax in fp32, the weighted sum of the values a
+// dot product too, over the probabilities rounded to bfloat16 (as ATen's flash attention rounds them), summed in fp32;
+// the keys are split into chunks across threads and merged by their maxima (flash decoding). Anything else (more rows,
+// float32, another head size) goes to ATen's scaled_dot_product_attention, so a compiled graph has one op for every
+// shape.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -58,11 +60,12 @@ struct Partial {  // one chunk's softmax over its keys, for one row: max, sum of
   float* acc;
 };
 
-// rows [G, D] of one head against its keys [begin, end): scores into `s` [G, end - begin], then the chunk's partials
+// rows [G, D] of one head against its keys [begin, end): scores into `s` [G, end - begin] (and, rounded, `p`), then
+// the chunk's partials
 template <int D>
 void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, const at::BFloat16* mask,
                   int64_t mask_row_stride, int64_t G, int64_t Q, int64_t begin, int64_t end, float scale, float* s,
-                  Partial out) {
+                  int32_t* p, Partial out) {
   constexpr int kPairs = D / 2;  // bfloat16 pairs in a row: one 32-bit lane each
   const int64_t n = end - begin;
   const auto* q32 = reinterpret_cast<const int32_t*>(q);
@@ -77,7 +80,15 @@ void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat
       transpose16(r);
       for (int i = 0; i < 16; ++i) kt[block * 16 + i] = r[i];
     }
-    for (int64_t g = 0; g < G; ++g) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {  // four rows at once: four independent chains of dot products
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int p = 0; p < kPairs; ++p)
+        for (int r = 0; r < 4; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q32[(g + r) * kPairs + p]), (__m512bh)kt[p]);
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(s + (g + r) * n + (l - begin), acc[r]);
+    }
+    for (; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
       for (int p = 0; p < kPairs; ++p)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(q32[g * kPairs + p]), (__m512bh)kt[p]);
@@ -134,18 +145,40 @@ void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat
     out.max[g] = most;
     out.sum[g] = sum;
   }
-  constexpr int kRowsAtOnce = 4;  // rows whose sums stay in registers while the values stream past
+  // The weighted sum over the values, two keys a dot product: the probabilities rounded to bfloat16 (as ATen's flash
+  // attention rounds them before its product with the values; the sums above stay fp32), a pair of keys' values
+  // interleaved once for every row. Half the instructions of fp32 multiply-adds: with a tree's rows over a long
+  // cache, this product is most of the attention.
+  const int64_t pairs = (n + 1) / 2;  // an odd chunk's last key pairs with a zero probability
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = s + g * n;
+    auto* packed = reinterpret_cast<at::BFloat16*>(p + g * pairs);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + i)));
+    for (; i < n; ++i) packed[i] = at::BFloat16(row[i]);
+    if (n % 2 == 1) packed[n] = at::BFloat16(0.f);
+  }
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  constexpr int kRowsAtOnce = 6;  // rows whose sums stay in registers while the values stream past
   for (int64_t first = 0; first < G; first += kRowsAtOnce) {
     const int64_t rows = std::min<int64_t>(kRowsAtOnce, G - first);
     __m512 o[kRowsAtOnce][D / 16];
     for (int g = 0; g < kRowsAtOnce; ++g)
       for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_setzero_ps();
-    for (int64_t l = begin; l < end; ++l) {
-      __m512 vv[D / 16];
-      for (int j = 0; j < D / 16; ++j) vv[j] = load16(v + l * D + j * 16);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t l = begin + 2 * pair, next = l + 1 < end ? l + 1 : l;  // a lone last key: its own partner
+      __m512bh vv[D / 16];  // 16 dimensions of both keys' values, alternating
+      for (int j = 0; j < D / 16; ++j) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + l * D + j * 16));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + next * D + j * 16));
+        vv[j] = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+      }
       for (int g = 0; g < rows; ++g) {
-        const __m512 p = _mm512_set1_ps(s[(first + g) * n + (l - begin)]);
-        for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(p[(first + g) * pairs + pair]);
+        for (int j = 0; j < D / 16; ++j) o[g][j] = _mm512_dpbf16_ps(o[g][j], w, vv[j]);
       }
     }
     for (int g = 0; g < rows; ++g)
@@ -170,6 +203,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
   const int64_t mask_batch_stride = mask.size(0) == 1 ? 0 : mask.stride(0);  // one mask for every row
   at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(G * chunk);
+    std::vector<int32_t> probabilities(G * ((chunk + 1) / 2));  // rounded to bfloat16, in pairs
     for (int64_t t = first; t < last; ++t) {
       const int64_t head = t / chunks, b = head / H, h = head % H, begin = (t % chunks) * chunk;
       const int64_t end = std::min(L, begin + chunk);
@@ -181,7 +215,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
       }
       attend_chunk<D>(q + head * G * D, k + b * key.stride(0) + h * key.stride(1),
                       v + b * value.stride(0) + h * value.stride(1), m + b * mask_batch_stride, mask.stride(2), G, Q,
-                      begin, end, static_cast<float>(scale), scores.data(),
+                      begin, end, static_cast<float>(scale), scores.data(), probabilities.data(),
                       Partial{maxes.data() + t * G, sums.data() + t * G, accs.data() + t * G * D});
     }
   });

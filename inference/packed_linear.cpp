@@ -97,7 +97,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   // bound by its dot products' latency)
   const int64_t tiles = std::max<int64_t>(1, (M + 5) / 6);
   std::vector<int64_t> first_row(tiles + 1, 0);
-  for (int64_t t = 0; t < tiles; ++t) first_row[t + 1] = first_row[t] + (M - first_row[t] + tiles - t - 1) / (tiles - t);
+  for (int64_t t = 0; t < tiles; ++t)
+    first_row[t + 1] = first_row[t] + (M - first_row[t] + tiles - t - 1) / (tiles - t);
   const int64_t step = 2 * kColumns, chunk = tiles == 1 || tiles > kChunkedTiles ? pairs : kChunk;
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
     std::vector<float> sums(6 * tiles * kColumns);  // each tile's sums between chunks
