@@ -5,7 +5,7 @@ current bigram (heads.eagle.copy_tokens, which training runs on Python lists). A
 worked out here for every row of a batch at once with tensor operations (one sort of the committed bigrams a
 step, then binary searches), so that drafting reads nothing back to the host: on a GPU every such read waits
 for the device. On a CPU the text is read for free, and `HostBigrams` keeps a row's bigrams in a mapping updated with
-each new token instead (0.3 ms a step and 0.12 ms a draft level less on a 2-core EPYC, docs/experiments.md X16).
+each new token instead, which costs less than the sort (docs/experiments.md, row X16).
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ class ContextVocabulary:
         """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row that
         takes the writes of tokens already in. Where our packed kernel serves it, the room is rounded up to fill its
         groups of 64 rows, and the buffer is kept packed too (`packed`), its rows written as they are added: the
-        whole vocabulary is then one product, no added rows through a kernel of their own (0.1 ms a draft level on
-        a 2-core EPYC, where the product over the 8,192 base rows takes about twice that)."""
+        whole vocabulary is then one product, no added rows through a kernel of their own (docs/experiments.md,
+        row X16)."""
         size, old = self.base.base_size, self.weight
         rows = packable_rows(size + room + 1, self.base.weight)
         room = room if rows is None else rows - size - 1
