@@ -1,11 +1,10 @@
-"""The EAGLE head's copy input at inference, on the device, or on the host where that is the CPU.
+"""The EAGLE head's copy input at inference, on the device.
 
 A head with `copy_input` reads, with each token, the token that followed the latest earlier occurrence of the
 current bigram (heads.eagle.copy_tokens, which training runs on Python lists). At inference the same tokens are
 worked out here for every row of a batch at once with tensor operations (one sort of the committed bigrams a
 step, then binary searches), so that drafting reads nothing back to the host: on a GPU every such read waits
-for the device. On a CPU the text is read for free, and `HostBigrams` keeps a row's bigrams in a mapping updated with
-each new token instead, which costs less than the sort (docs/experiments.md, row X16).
+for the device.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heads import NO_COPY, copy_tokens
+from heads import NO_COPY
 
 from .transfer import to_device
 
@@ -100,30 +99,3 @@ def draft_copies(table: BigramTable, tails: torch.Tensor, paths: torch.Tensor) -
     on_path = text[..., 2:].gather(-1, latest)[..., 0]
     row_ids = torch.arange(rows, device=paths.device)[:, None].expand(-1, width)
     return torch.where(inside.any(dim=-1), on_path, table.lookup(row_ids, first, second))
-
-
-class HostBigrams:
-    """One row's BigramTable on the host: its committed text, the token after each of its bigrams' latest occurrence,
-    and every pair's copy token (`copies`), all extended with each new token (heads.eagle.copy_tokens)."""
-
-    def __init__(self):
-        self.ids: list[int] = []
-        self.successors: dict[tuple[int, int], int] = {}
-        self.copies: list[int] = []  # copies[t]: pair t's copy token, as BigramTable.copies
-
-    def read(self, text: torch.Tensor) -> None:
-        """Take in the committed text (1-D, the tokens taken in before unchanged)."""
-        self.ids += text[len(self.ids) :].tolist()
-        self.copies += copy_tokens(self.ids, len(self.copies), len(self.ids) - 1, self.successors)
-
-    def draft_copies(self, paths: list[list[int]]) -> list[int]:
-        """draft_copies for this row: the copy token of each path's node (a path: its tokens below the root)."""
-        tails = ([-1, -1] + self.ids)[-2:]  # as BigramTable's tails: -1 before a one-token text
-        found = []
-        for path in paths:
-            text = tails + path
-            first, second = text[-2], text[-1]
-            # the latest bigram the path completes, else the committed text's latest
-            inside = [j for j in range(len(path)) if text[j] == first and text[j + 1] == second]
-            found.append(text[inside[-1] + 2] if inside else self.successors.get((first, second), NO_COPY))
-        return found

@@ -7,7 +7,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
 from inference import DynamicTreeSpec, EagleDrafter, Tree, generate
-from inference.bigrams import HostBigrams, bigram_table, draft_copies
+from inference.bigrams import bigram_table, draft_copies
 
 
 def recompute(head, model, tokens, draft_tokens, skipped=0):
@@ -105,8 +105,7 @@ def test_draft_nodes_copy_along_their_own_paths():
 
 def test_the_bigram_table_gives_the_copy_tokens_training_reads():
     """On random texts of a small vocabulary (repeats everywhere), batched rows of any length, one token included:
-    every committed pair's copy token and every draft path's equal heads.eagle.copy_tokens over the whole text, on
-    the device (BigramTable) and on the host (HostBigrams)."""
+    every committed pair's copy token and every draft path's equal heads.eagle.copy_tokens over the whole text."""
     generator = torch.Generator().manual_seed(0)
 
     def draw(low: int, high: int) -> int:
@@ -121,12 +120,6 @@ def test_the_bigram_table_gives_the_copy_tokens_training_reads():
         tails = torch.stack([torch.cat([torch.tensor([-1]), text])[-2:] for text in texts])
         expected = [[copy_tokens(text.tolist() + path.tolist())[-1] for path in row] for text, row in zip(texts, paths)]
         assert draft_copies(table, tails, paths).tolist() == expected
-        for text, row, want in zip(texts, paths, expected):  # on the host, the text read in two pieces
-            host = HostBigrams()
-            cut = draw(0, text.shape[0] + 1)
-            host.read(text[:cut])
-            host.read(text)
-            assert host.copies == copy_tokens(text.tolist()) and host.draft_copies(row.tolist()) == want
 
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from heads import NO_COPY, EagleHead, copy_embedding
 
-from ..bigrams import HostBigrams, bigram_table, draft_copies
+from ..bigrams import bigram_table, draft_copies
 from ..compiled_heads import compiled_head
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits
@@ -48,24 +48,8 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def reset(self, rows: int = 1) -> None:
         super().reset(rows)
-        # with the copy input: the committed bigrams (inference.bigrams) and each row's last two committed tokens,
-        # on a CPU kept on the host, a row's at a time (HostBigrams)
+        # with the copy input: the committed bigrams (inference.bigrams) and each row's last two committed tokens
         self.bigrams, self.tails = None, None
-        self.host_bigrams = [HostBigrams() for _ in range(rows)] if self._on_host else None
-
-    @property
-    def _on_host(self) -> bool:
-        return self.head.config.copy_input and self.embed.weight.device.type == "cpu"
-
-    def add_rows(self, count: int) -> None:
-        super().add_rows(count)
-        if self.host_bigrams is not None:
-            self.host_bigrams += [HostBigrams() for _ in range(count)]
-
-    def keep_rows(self, rows: list[int]) -> None:
-        super().keep_rows(rows)
-        if self.host_bigrams is not None:
-            self.host_bigrams = [self.host_bigrams[row] for row in rows]
 
     def new_row(self) -> EagleRow:
         return EagleRow(level=self.spec.depth)
@@ -80,10 +64,7 @@ class EagleDrafter(DynamicTreeDrafter):
     def _read_committed(self, texts: list[torch.Tensor]) -> None:
         """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text."""
         copy_input = self.head.config.copy_input
-        if self.host_bigrams is not None:
-            for bigrams, text in zip(self.host_bigrams, texts, strict=True):
-                bigrams.read(text)
-        elif copy_input:
+        if copy_input:
             self.bigrams = bigram_table(texts, self.embed.weight.shape[0])
             self.tails = torch.stack(
                 [text[-2:] if text.shape[0] > 1 else F.pad(text, (1, 0), value=-1) for text in texts]
@@ -101,10 +82,7 @@ class EagleDrafter(DynamicTreeDrafter):
             copies = None
             if copy_input:  # pair t reads tokens t and t + 1 of the committed text
                 start = state.skipped + state.length
-                if self.host_bigrams is not None:
-                    copies = torch.tensor(self.host_bigrams[row].copies[start : start + count], device=device)
-                else:
-                    copies = self.bigrams.copies[row][start : start + count]
+                copies = self.bigrams.copies[row][start : start + count]
             skip = self._skip(state, count)  # after the copy tokens: the bigrams of a whole prompt are cheap to keep
             features = torch.cat([f for f, _ in state.pending])[skip:]
             tokens = torch.cat([t for _, t in state.pending])[skip:]
@@ -144,11 +122,7 @@ class EagleDrafter(DynamicTreeDrafter):
         positions: torch.Tensor,
     ) -> torch.Tensor:
         copies = None
-        if self.host_bigrams is not None:
-            paths = nodes.path_tokens(frontier, depth).tolist()
-            found = [bigrams.draft_copies(row) for bigrams, row in zip(self.host_bigrams, paths, strict=True)]
-            copies = copy_embedding(self.embed, torch.tensor(found, device=frontier.device))
-        elif self.tails is not None:
+        if self.tails is not None:
             copies = copy_embedding(
                 self.embed, draft_copies(self.bigrams, self.tails, nodes.path_tokens(frontier, depth))
             )
