@@ -14,11 +14,13 @@ masked out of a row's probabilities, so each row drafts what it would alone.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from heads import DraftVocabulary
 
 from .packed import packable_rows, write_packed_rows
+from .transfer import to_device
 
 
 def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
@@ -33,45 +35,64 @@ class ContextVocabulary:
     """A drafter's vocabulary for the sequences it drafts for: `base` plus each row's tokens so far (when
     `enabled` and `base` can grow: a reduced vocabulary over the target's lm_head rows).
 
-    The added tokens' rows are copied from the target's lm_head into a buffer after the base's, in the order they
-    were first read, and counted, on the device: drafting reads nothing back to the host (each read waits for a
-    GPU). The host keeps an upper bound of the count (every token read since the count was last read back might
-    be new), which it reads back only when the bound would overrun the buffer. `current` spans the whole buffer,
-    its rows past the count masked off (`unseen`): its projection keeps one shape until the buffer grows (oneDNN
-    builds a kernel for each new shape, 0.1-0.6 ms on a 2-core EPYC, against 15-20 us for the product itself).
+    Which tokens are new is worked out on the host, from the committed texts the decode loop already holds there
+    (nothing is read back from the device: each read waits for a GPU), and most steps add nothing, so they cost no
+    device work at all. The added tokens' rows are copied from the target's lm_head into a buffer after the base's,
+    in the order they were first read. `current` spans the whole buffer, its rows past the count masked off
+    (`unseen`): its projection keeps one shape until the buffer grows (oneDNN builds a kernel for each new shape,
+    0.1-0.6 ms on a 2-core EPYC, against 15-20 us for the product itself).
     """
 
     def __init__(self, base: DraftVocabulary, enabled: bool = True):
         self.base, self.enabled = base, enabled and base.extensible
+        if self.enabled:
+            self.base_member = np.zeros(base.target_size, dtype=bool)  # on the host: the base's tokens
+            self.base_member[base.ids.cpu().numpy()] = True
         self.reset()
 
     def reset(self, rows: int = 1) -> None:
         self.current, self.unseen = self.base, None
-        self.shared = rows > 1  # one sequence alone has seen every token added for it
         self.read = [0] * rows  # how much of each row's text has been read
+        self.shared = rows > 1  # one sequence alone has seen every token added for it
         self.seen = None
         if self.enabled:
-            device = self.base.weight.device
-            self.seen = torch.zeros(rows, self.base.target_size, dtype=torch.bool, device=device)
+            self.seen = np.zeros((rows, self.base.target_size), dtype=bool)  # on the host: the tokens each row read
             self._empty(ROOM)
 
     def _empty(self, room: int) -> None:
-        """No token added yet; a buffer with room for `room`."""
-        device = self.base.weight.device
-        self.member = torch.zeros(self.base.target_size, dtype=torch.bool, device=device)
-        self.member[self.base.ids] = True
-        self.count = torch.zeros((), dtype=torch.long, device=device)  # added rows, on the device
-        self.bound = 0  # an upper bound of the count, on the host
-        self.weight = self.bias = self.ids = None
-        self._allocate(room)
-        self.current = self.base
+        """No token added yet; a buffer with room for `room`, the blank one kept with the base where it has that room
+        (packing a buffer takes milliseconds, as much as a few steps' drafting). Where it is packed, the vocabulary
+        spans it from the start (its added rows masked off): no product of the base's rows alone is needed."""
+        self.member = self.base_member.copy()  # on the host: the tokens in the vocabulary
+        self.added = np.zeros(0, dtype=np.int64)  # on the host: the added tokens, in the order they joined
+        blank = self.base.blank  # (rooms it serves, buffers): shared by every reset, till written
+        if blank is None or room not in blank[0]:
+            self.weight = None
+            self._allocate(room)
+            blank = self.base.blank = ({room, self.room}, (self.weight, self.bias, self.ids, self.packed, self.room))
+        self.weight, self.bias, self.ids, self.packed, self.room = blank[1]
+        self.written = False  # the blank buffers are shared: _add copies them first
+        self.current = self.base if self.packed is None else self._spanning()
+
+    def _spanning(self) -> DraftVocabulary:
+        """The vocabulary over the whole buffer, through its packed product where there is one."""
+        current = self.base.with_rows(self.weight, self.bias, self.ids)
+        if self.packed is not None:
+            packed, bias = self.packed, self.bias
+            current.projection = lambda x: torch.ops.specheads.packed_linear(x, packed, bias)
+        return current
+
+    @property
+    def count(self) -> int:
+        """How many tokens were added."""
+        return self.added.shape[0]
 
     def _allocate(self, room: int) -> None:
-        """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row that
-        takes the writes of tokens already in. Where our packed kernel serves it, the room is rounded up to fill its
-        groups of 64 rows, and the buffer is kept packed too (`packed`), its rows written as they are added: the
-        whole vocabulary is then one product, no added rows through a kernel of their own (docs/experiments.md,
-        row X16)."""
+        """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row
+        (a spare: ROOM counted it before, and the buffer's width stays as it was). Where our packed kernel serves
+        it, the room is rounded up to fill its groups of 64 rows, and the buffer is kept packed too (`packed`), its
+        rows written as they are added: the whole vocabulary is then one product, no added rows through a kernel of
+        their own (docs/experiments.md, row X16)."""
         size, old = self.base.base_size, self.weight
         rows = packable_rows(size + room + 1, self.base.weight)
         room = room if rows is None else rows - size - 1
@@ -79,53 +100,46 @@ class ContextVocabulary:
         ids = self.base.ids.new_zeros(size + room + 1)
         bias = None if self.base.bias is None else self.base.bias.new_zeros(size + room + 1)
         with torch.no_grad():  # the target's rows: constants to a drafter
-            kept = size + self.bound if old is not None else size
+            kept = size + self.count if old is not None else size
             weight[:kept] = self.base.weight if old is None else old[:kept]
             ids[:kept] = self.base.ids if old is None else self.ids[:kept]
             if bias is not None:
                 bias[:kept] = self.base.bias if old is None else self.bias[:kept]
         self.weight, self.bias, self.ids, self.room = weight, bias, ids, room
         self.packed = None if rows is None else torch.ops.specheads.pack_linear_weight(weight)
+        self.written = True  # buffers of its own
 
-    def _add(self, tokens: torch.Tensor) -> None:
-        """Append the rows of `tokens` not in the vocabulary yet, each once."""
+    def _add(self, tokens: np.ndarray) -> None:
+        """Append the rows of `tokens` (distinct, in the order they were read) not in the vocabulary yet."""
+        tokens = tokens[~self.member[tokens]]
         count = tokens.shape[0]
         if count == 0:
             return
-        if self.bound + count > self.room:
-            self.bound = int(self.count)  # one host read, when the bound would overrun the buffer
-        if self.bound + count > self.room:
-            self._allocate(max(self.room, self.bound + count + self.room // 4 + ROOM))
-        size = self.base.base_size
-        # a token's first read (a stable sort keeps repeats in reading order), not in yet
-        order = tokens.argsort(stable=True)
-        ranked = tokens[order]
-        first = torch.empty(count, dtype=torch.bool, device=tokens.device)
-        first[order] = torch.cat([ranked.new_ones(1, dtype=torch.bool), ranked[1:] != ranked[:-1]])
-        new = first & ~self.member[tokens]
-        rows = torch.where(new, size + self.count + new.cumsum(0) - 1, size + self.room)  # the others: the spare row
+        if self.count + count > self.room:
+            self._allocate(max(self.room, self.count + count + self.room // 4 + ROOM))
+        elif not self.written:
+            self._copy_buffers()
+        device = self.weight.device
+        rows = to_device(np.arange(self.count, self.count + count) + self.base.base_size, device)
+        new = to_device(tokens, device)
         weight, bias = self.base.target_rows
         with torch.no_grad():
-            self.weight[rows] = weight[tokens]
+            self.weight[rows] = weight[new]
             if self.packed is not None:
-                write_packed_rows(self.packed, rows, weight[tokens])
-            self.ids[rows] = tokens
+                write_packed_rows(self.packed, rows, weight[new])
+            self.ids[rows] = new
             if bias is not None:
-                self.bias[rows] = bias[tokens]
+                self.bias[rows] = bias[new]
         self.member[tokens] = True
-        self.count = self.count + new.sum()
-        self.bound += count
-        self.current = self.base.with_rows(self.weight, self.bias, self.ids)
-        if self.packed is not None:
-            packed, bias = self.packed, self.bias
-            self.current.projection = lambda x: torch.ops.specheads.packed_linear(x, packed, bias)
+        self.added = np.concatenate([self.added, tokens])
+        self.current = self._spanning()
 
-    def _leave_inference_mode(self) -> None:
-        """Copies of the state made inside generate() (inference tensors, which only inference mode may write)."""
-        self.seen, self.member, self.count = self.seen.clone(), self.member.clone(), self.count.clone()
+    def _copy_buffers(self) -> None:
+        """Buffers of its own, copied from the (shared) ones it has."""
         self.weight, self.ids = self.weight.clone(), self.ids.clone()
         self.packed = None if self.packed is None else self.packed.clone()
         self.bias = None if self.bias is None else self.bias.clone()
+        self.written = True
 
     def _mask_unseen(self) -> None:
         """`unseen` [rows or 1, N]: the added rows not filled yet and, in a batch, those a row has not seen itself
@@ -134,24 +148,33 @@ class ContextVocabulary:
         if width == size:
             self.unseen = None
             return
-        unfilled = torch.arange(width - size, device=self.count.device) >= self.count
-        added = unfilled[None] | (~self.seen[:, self.current.ids[size:]] if self.shared else False)
-        self.unseen = torch.zeros(added.shape[0], width, dtype=torch.bool, device=added.device)
-        self.unseen[:, size:] = added
+        unseen = np.zeros((self.seen.shape[0] if self.shared else 1, width), dtype=bool)
+        unseen[:, size + self.count :] = True
+        if self.shared:
+            unseen[:, size : size + self.count] = ~self.seen[:, self.added]
+        self.unseen = to_device(unseen, self.weight.device, torch.bool)
 
-    def read_texts(self, texts: list[torch.Tensor]) -> DraftVocabulary:
-        """Take in what each row committed since the last call (texts[b]: row b's whole committed text) and
-        return the vocabulary to draft from now."""
+    def read_texts(self, texts: list[torch.Tensor], host_texts: list[np.ndarray] | None = None) -> DraftVocabulary:
+        """Take in what each row committed since the last call (texts[b]: row b's whole committed text, host_texts[b]
+        the same on the host, read back here when not given) and return the vocabulary to draft from now."""
         if not self.enabled:
             return self.current
-        if self.seen.is_inference() and not torch.is_inference_mode_enabled():
-            self._leave_inference_mode()
-        fresh = [text[start:] for text, start in zip(texts, self.read)]
+        if self.weight.is_inference() and not torch.is_inference_mode_enabled():
+            # buffers made inside generate() are inference tensors, which only inference mode may write
+            self.base.blank = None
+            self._copy_buffers()
+        if host_texts is None:  # outside the loop: read the texts back
+            host_texts = [text.cpu().numpy() for text in texts]
+        fresh = [host[start:] for host, start in zip(host_texts, self.read)]
+        self.read = [host.shape[0] for host in host_texts]
         for row, tokens in enumerate(fresh):
             self.seen[row, tokens] = True
-        self.read = [text.shape[0] for text in texts]
-        self._add(torch.cat(fresh))
-        self._mask_unseen()
+        tokens = np.concatenate(fresh)
+        distinct, first = np.unique(tokens, return_index=True)
+        before, width = self.count, self.current.weight.shape[0]
+        self._add(distinct[np.argsort(first)])  # in the order they were first read
+        if self.shared or self.count != before or self.current.weight.shape[0] != width or self.unseen is None:
+            self._mask_unseen()
         return self.current
 
     def add_rows(self, count: int) -> None:
@@ -160,9 +183,9 @@ class ContextVocabulary:
         self.read += [0] * count
         self.shared = len(self.read) > 1
         if self.enabled:
-            self.seen = torch.cat([self.seen, self.seen.new_zeros(count, self.seen.shape[1])])
+            self.seen = np.concatenate([self.seen, np.zeros((count, self.seen.shape[1]), dtype=bool)])
             self._empty(self.room)
-            self._add(self.seen.any(dim=0).nonzero()[:, 0])  # a host read a joining row, not a step
+            self._add(np.flatnonzero(self.seen.any(axis=0)))
             self._mask_unseen()
 
     def keep_rows(self, rows: list[int]) -> None:

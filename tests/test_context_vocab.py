@@ -51,9 +51,9 @@ def test_the_vocabulary_grows_past_its_room_and_keeps_its_width_till_then():
         filled = 3 + len(expected)
         assert torch.equal(vocab.weight[:filled], projection.weight[vocab.ids[:filled]])
         assert torch.equal(vocab.bias[:filled], projection.bias[vocab.ids[:filled]])
-    # one width (one shape for the projection's kernel) till the bound would overrun the room, read back then
+    # one width (one shape for the projection's kernel) till the added tokens overrun the room
     assert widths[:3] == [3 + ROOM + 1] * 3 and widths[2] < widths[3] < widths[4]
-    assert widths[4] == 3 + context.room + 1 and context.room >= context.bound >= int(context.count) == 697
+    assert widths[4] == 3 + context.room + 1 and context.room >= context.count == 697
 
 
 def test_only_a_reduced_vocabulary_over_the_targets_rows_can_grow():
@@ -110,3 +110,29 @@ def test_heads_with_lm_heads_of_their_own_do_not_grow():
     model = tiny_model("llama", eos=None)
     heads = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2, own_lm_heads=True)).eval()
     assert not as_drafter(heads, model).context.enabled
+
+
+def test_resets_share_the_blank_buffers_and_the_first_write_copies_them():
+    base = DraftVocabulary(lm_head(), torch.tensor([2, 5]))
+    first, second = ContextVocabulary(base), ContextVocabulary(base)
+    blank = first.weight
+    assert second.weight is blank  # one buffer packed for both, kept with the base
+    first.read_texts([torch.tensor([9, 2, 11])])
+    assert first.weight is not blank and added(first) == [9, 11]
+    assert (blank[2:] == 0).all() and second.count == 0  # the blank one was left as it was
+    second.read_texts([torch.tensor([4])])
+    assert added(second) == [4] and added(first) == [9, 11]
+    first.reset()
+    assert first.weight is blank and first.count == 0 and first.current is base
+
+
+def test_a_drafter_keeps_its_heads_vocabulary_till_the_targets_rows_change():
+    model = tiny_model("llama", eos=None)
+    heads = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=2)).eval()
+    heads.draft_ids = torch.tensor([1, 4, 7])
+    vocab = as_drafter(heads, model).context.base
+    assert as_drafter(heads, model).context.base is vocab  # made once: slicing and packing take milliseconds
+    with torch.no_grad():
+        model.get_output_embeddings().weight[4] += 1.0  # in place: the rows it sliced are stale
+    fresh = as_drafter(heads, model).context.base
+    assert fresh is not vocab and torch.equal(fresh.weight[1], model.get_output_embeddings().weight[4])

@@ -20,15 +20,33 @@ when it keeps state); one that reads only the committed tokens subclasses `Token
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from heads import EarlyExitHead, HeadConfigError
+from heads import DraftVocabulary, EarlyExitHead, HeadConfigError
 from heads.config import check_feature_layers
 
 from ..tree import StaticTree, Tree, TreeError, static_tree
+
+KEPT_VOCABULARY = "_specheads_draft_vocabulary"  # the head's attribute holding its draft vocabulary between calls
+
+
+def kept_vocabulary(head, make: Callable[[], DraftVocabulary], *tensors: torch.Tensor | None) -> DraftVocabulary:
+    """make(), kept on `head` for later drafters while `tensors` (the weights and ids it is made of) are the same
+    tensors, unchanged (their version counters): a generate() call makes a drafter, and slicing the target's rows
+    and packing them (with a context vocabulary's buffers, kept with it) takes milliseconds, a few steps' drafting."""
+    tensors = [tensor for tensor in tensors if tensor is not None]
+    kept = getattr(head, KEPT_VOCABULARY, None)
+    if kept is not None and len(kept[0]) == len(tensors):
+        if all(ref() is tensor and version == tensor._version for (ref, version), tensor in zip(kept[0], tensors)):
+            return kept[1]
+    vocab = make()
+    setattr(head, KEPT_VOCABULARY, ([(weakref.ref(tensor), tensor._version) for tensor in tensors], vocab))
+    return vocab
 
 
 class Drafter(ABC):

@@ -87,8 +87,9 @@ class DynamicTreeDrafter(Drafter):
             raise TreeError(
                 f"the {what} drafter grows dynamic trees: pass tree=DynamicTreeSpec(depth, top_k, nodes), got {tree!r}"
             )
-        vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
+        if not (self.context.enabled and self.context.packed is not None):  # else its buffer's product serves
+            vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
         self.acceptance = acceptance  # the head's map to acceptance probabilities (inference.acceptance_map)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
@@ -260,7 +261,7 @@ class DynamicTreeDrafter(Drafter):
         self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
     ) -> list[Tree]:
         """texts[b] is row b's committed text, its last token the root."""
-        grown = self._grow(texts, max_depths)
+        grown = self._grow(texts, max_depths, host_texts)
         if grown is None:
             return [root_only(text) for text in texts]
         nodes, limits, k = grown
@@ -269,20 +270,25 @@ class DynamicTreeDrafter(Drafter):
         return self._select_batch(nodes, limits, max_depths, k, [[] for _ in texts])[0]
 
     def propose_grafted(
-        self, texts: list[torch.Tensor], max_depths: list[int], spans: list[list]
+        self,
+        texts: list[torch.Tensor],
+        max_depths: list[int],
+        spans: list[list],
+        host_texts: list[np.ndarray] | None = None,
     ) -> tuple[list[Tree], list[list[int]]]:
         """propose_rows, with copied spans weighed against the drafts: spans[b] holds row b's (tokens, log-rate)
         pairs (_select_grafted). Also returns, for each row's span, how many of its first tokens the drafts held."""
-        grown = self._grow(texts, max_depths)
+        grown = self._grow(texts, max_depths, host_texts)
         if grown is None:  # no row may draft: every span is empty too (max_depth 0)
             return [root_only(text) for text in texts], [[0] * len(row_spans) for row_spans in spans]
         nodes, limits, k = grown
         return self._select_batch(nodes, limits, max_depths, k, spans)
 
-    def _grow(self, texts: list[torch.Tensor], max_depths: list[int]):
-        """Read the committed texts, then grow every row's tree as deep as the deepest row may go: (the DraftNodes,
-        each row's depth limit, the top-k a level), or None when no row may draft."""
-        self.context.read_texts(texts)
+    def _grow(self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None):
+        """Read the committed texts (host_texts: the same on the host, or None), then grow every row's tree as deep
+        as the deepest row may go: (the DraftNodes, each row's depth limit, the top-k a level), or None when no row
+        may draft."""
+        self.context.read_texts(texts, host_texts)
         self._read_committed(texts)
         limits = [min(row.level, depth) for row, depth in zip(self.rows, max_depths)]
         deepest = max(limits)

@@ -12,7 +12,7 @@ from heads import NO_COPY, EagleHead, copy_embedding
 from ..bigrams import bigram_table, draft_copies
 from ..compiled_heads import compiled_head
 from ..tree_size import DynamicTreeSpec
-from .base import check_head_fits
+from .base import check_head_fits, kept_vocabulary
 from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
 
 
@@ -33,8 +33,10 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def __init__(self, head: EagleHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         check_head_fits(head, model, "this EAGLE head")
+        lm_head = model.get_output_embeddings()
+        own_rows = head.lm_head.weight if getattr(head, "lm_head", None) is not None else None  # eagle3's
         super().__init__(
-            head.draft_vocabulary(model.get_output_embeddings()),
+            kept_vocabulary(head, lambda: head.draft_vocabulary(lm_head), lm_head.weight, head.draft_ids, own_rows),
             tree,
             "EAGLE",
             context_vocab,

@@ -8,7 +8,7 @@ from heads import DraftVocabulary, EarlyExitHead
 
 from ..compiled_heads import CompiledEarlyExit, compiled_head
 from ..tree_size import DynamicTreeSpec
-from .base import check_head_fits
+from .base import check_head_fits, kept_vocabulary
 from .dynamic import DraftNodes, DynamicTreeDrafter
 
 
@@ -23,8 +23,9 @@ class EarlyExitDrafter(DynamicTreeDrafter):
 
     def __init__(self, head: EarlyExitHead, model, tree: DynamicTreeSpec | None = None, context_vocab: bool = True):
         check_head_fits(head, model, "this early-exit head")
+        lm_head = model.get_output_embeddings()
         super().__init__(
-            DraftVocabulary(model.get_output_embeddings(), head.draft_ids),
+            kept_vocabulary(head, lambda: DraftVocabulary(lm_head, head.draft_ids), lm_head.weight, head.draft_ids),
             tree,
             "early-exit",
             context_vocab,

@@ -14,7 +14,7 @@ from ..context_vocab import ContextVocabulary
 from ..transfer import read_together
 from ..tree import StaticTree, Tree, TreeError, static_tree
 from ..tree_size import MAX_TOP_K, DynamicTreeSpec, PassCost, likeliest_paths
-from .base import Drafter, as_static_tree, check_head_fits, root_only
+from .base import Drafter, as_static_tree, check_head_fits, kept_vocabulary, root_only
 from .dynamic import DraftNodes, DynamicTreeDrafter
 
 
@@ -56,7 +56,10 @@ class MedusaDrafter(Drafter):
                 f"the tree is {self.tree.max_depth} deep, which needs {self.tree.max_depth} Medusa heads; the "
                 f"checkpoint has {k}"
             )
-        vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
+        lm_head = model.get_output_embeddings()
+        vocab = kept_vocabulary(
+            heads, lambda: DraftVocabulary(lm_head, heads.draft_ids), lm_head.weight, heads.draft_ids
+        )
         if self.tree is not None and self.tree.max_rank >= vocab.weight.shape[0]:
             raise TreeError(
                 f"the tree asks for candidate rank {self.tree.max_rank}, but the heads draft from "
@@ -93,7 +96,7 @@ class MedusaDrafter(Drafter):
             depth = 0
         if depth < 1:
             return [root_only(text) for text in texts]
-        vocab = self.context.read_texts(texts)
+        vocab = self.context.read_texts(texts, host_texts)
         logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
         top = self.context.log_probs(logits).topk(
             min(ranks, logits.shape[-1]), dim=-1
@@ -141,7 +144,10 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
                 f"the tree is {tree.depth} deep, which needs {tree.depth} sequential Medusa heads; the checkpoint has "
                 f"{heads.config.num_heads}"
             )
-        vocab = DraftVocabulary(model.get_output_embeddings(), heads.draft_ids)
+        lm_head = model.get_output_embeddings()
+        vocab = kept_vocabulary(
+            heads, lambda: DraftVocabulary(lm_head, heads.draft_ids), lm_head.weight, heads.draft_ids
+        )
         super().__init__(
             vocab,
             tree,

@@ -146,7 +146,7 @@ class MergedDrafter(Drafter):
                     spans[-1].append((span, math.log(held / tried)))
                     copied[-1].append(((index, matched), span))
         head_depths = [min(1, max_depths[0])] if trusted and len(texts) == 1 else max_depths
-        trees, held = self.head_drafters[0].propose_grafted(texts, head_depths, spans)
+        trees, held = self.head_drafters[0].propose_grafted(texts, head_depths, spans, host_texts)
         # till the target answers: each span, and how many of its first tokens the drafts held (the rates are of the
         # rest)
         self.pending = [
