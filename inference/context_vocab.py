@@ -14,6 +14,8 @@ masked out of a row's probabilities, so each row drafts what it would alone.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -25,7 +27,7 @@ from .transfer import to_device
 
 def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
     """A head's log-probabilities in float32, -inf where they are NaN (non-finite weights): impossible drafts."""
-    return torch.log_softmax(logits.float(), dim=-1).nan_to_num(nan=float("-inf"))
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32).nan_to_num_(nan=float("-inf"))
 
 
 ROOM = 256  # added rows a vocabulary's buffer has room for at first (it grows by a quarter and this much)
@@ -153,6 +155,8 @@ class ContextVocabulary:
         if self.shared:
             unseen[:, size : size + self.count] = ~self.seen[:, self.added]
         self.unseen = to_device(unseen, self.weight.device, torch.bool)
+        # added to the logits, in float32 (the log-softmax's dtype): one operation, where masking took two
+        self.unseen_logits = torch.zeros(unseen.shape, device=self.weight.device).masked_fill_(self.unseen, -math.inf)
 
     def read_texts(self, texts: list[torch.Tensor], host_texts: list[np.ndarray] | None = None) -> DraftVocabulary:
         """Take in what each row committed since the last call (texts[b]: row b's whole committed text, host_texts[b]
@@ -199,5 +203,5 @@ class ContextVocabulary:
         """Log-probabilities of logits [rows, ..., N] over `current`, each row's unseen tokens impossible."""
         if self.unseen is not None:
             shape = (self.unseen.shape[0],) + (1,) * (logits.dim() - 2) + (self.unseen.shape[1],)
-            logits = logits.masked_fill(self.unseen.view(shape), float("-inf"))
+            logits = logits + self.unseen_logits.view(shape)
         return log_probabilities(logits)

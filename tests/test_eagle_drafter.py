@@ -7,7 +7,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
 from inference import DynamicTreeSpec, EagleDrafter, Tree, generate
-from inference.bigrams import bigram_table, draft_copies
+from inference.bigrams import BigramTable, RowBigrams, bigram_table, draft_copies
 
 
 def recompute(head, model, tokens, draft_tokens, skipped=0):
@@ -46,7 +46,8 @@ class CheckedEagleDrafter(EagleDrafter):
 
     def propose_rows(self, texts, max_depths, host_texts=None):  # what the loop calls: one row here
         (tokens,) = texts
-        self._read_committed([tokens])  # what propose does first: the head reads the pairs observed since the last step
+        # what propose does first: the head reads the pairs observed since the last step
+        self._read_committed([tokens], [tokens.numpy()])
         torch.testing.assert_close(
             self.last[0],
             recompute(self.head, self.model, tokens, tokens[:0], self.rows[0].skipped),
@@ -84,16 +85,24 @@ def test_copy_tokens_are_what_followed_the_latest_earlier_bigram():
     assert torch.equal(found[0], torch.zeros(3)) and torch.equal(found[1], embed.weight[7])
 
 
+def table_of(texts: list[torch.Tensor], vocab_size: int, pieces: int = 1) -> tuple[list[RowBigrams], BigramTable]:
+    """Each text's RowBigrams (read in `pieces` pieces, as a drafter reads a growing text) and their BigramTable."""
+    rows = [RowBigrams(vocab_size) for _ in texts]
+    for bigrams, text in zip(rows, texts):
+        for end in torch.linspace(0, text.shape[0], pieces + 1)[1:].long().tolist():
+            bigrams.read(text[:end].numpy())
+    return rows, bigram_table(rows, texts[0].device)
+
+
 def test_draft_nodes_copy_along_their_own_paths():
     committed = [5, 6, 7, 8, 5, 6, 9, 7, 8]  # the root is the last 8
     # paths below the root: (8, 5) was followed by 6, (8, 9) never; (5, 6) latest by 9, (6, 7) by 8
-    table = bigram_table([torch.tensor(committed)], 10)
-    tails = torch.tensor([committed[-2:]])
-    assert draft_copies(table, tails, torch.tensor([[[5], [9]]])).tolist() == [[6, NO_COPY]]
-    assert draft_copies(table, tails, torch.tensor([[[5, 6]]])).tolist() == [[9]]
-    assert draft_copies(table, tails, torch.tensor([[[5, 6, 7]]])).tolist() == [[8]]
+    _, table = table_of([torch.tensor(committed)], 10)
+    assert draft_copies(table, torch.tensor([[[5], [9]]])).tolist() == [[6, NO_COPY]]
+    assert draft_copies(table, torch.tensor([[[5, 6]]])).tolist() == [[9]]
+    assert draft_copies(table, torch.tensor([[[5, 6, 7]]])).tolist() == [[8]]
     # a path that repeats its own bigram copies from itself: 8 -> 5 -> 8 -> 5 reads (8, 5) last followed by 8
-    assert draft_copies(table, tails, torch.tensor([[[5, 8, 5]]])).tolist() == [[8]]
+    assert draft_copies(table, torch.tensor([[[5, 8, 5]]])).tolist() == [[8]]
     assert [copy_tokens(committed + path)[-1] for path in ([5], [9], [5, 6], [5, 6, 7], [5, 8, 5])] == [
         6,
         NO_COPY,
@@ -104,8 +113,9 @@ def test_draft_nodes_copy_along_their_own_paths():
 
 
 def test_the_bigram_table_gives_the_copy_tokens_training_reads():
-    """On random texts of a small vocabulary (repeats everywhere), batched rows of any length, one token included:
-    every committed pair's copy token and every draft path's equal heads.eagle.copy_tokens over the whole text."""
+    """On random texts of a small vocabulary (repeats everywhere), batched rows of any length, one token included,
+    read whole or piece by piece: every committed pair's copy token and every draft path's equal
+    heads.eagle.copy_tokens over the whole text."""
     generator = torch.Generator().manual_seed(0)
 
     def draw(low: int, high: int) -> int:
@@ -114,12 +124,11 @@ def test_the_bigram_table_gives_the_copy_tokens_training_reads():
     for _ in range(200):
         rows = draw(1, 5)
         texts = [torch.randint(0, 4, (draw(1, 20),), generator=generator) for _ in range(rows)]
-        table = bigram_table(texts, 6)
-        assert [copies.tolist() for copies in table.copies] == [copy_tokens(text.tolist()) for text in texts]
+        bigrams, table = table_of(texts, 6, pieces=draw(1, 4))
+        assert [row.copies for row in bigrams] == [copy_tokens(text.tolist()) for text in texts]
         paths = torch.randint(0, 4, (rows, 3, draw(1, 6)), generator=generator)
-        tails = torch.stack([torch.cat([torch.tensor([-1]), text])[-2:] for text in texts])
         expected = [[copy_tokens(text.tolist() + path.tolist())[-1] for path in row] for text, row in zip(texts, paths)]
-        assert draft_copies(table, tails, paths).tolist() == expected
+        assert draft_copies(table, paths).tolist() == expected
 
 
 def test_eagle_drafter_state_and_trees_match_a_recomputation():

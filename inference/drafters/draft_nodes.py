@@ -32,6 +32,7 @@ class DraftNodes:
         # the path's log-probability: the sum of its drafts' (mapped by `acceptance`: inference.acceptance_map)
         self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)
         self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
+        self.index = torch.arange(capacity, device=device)
         self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
             roots,
             -1,
@@ -42,24 +43,25 @@ class DraftNodes:
 
     def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
         """Each frontier node's `k` likeliest children (frontier [rows, F], log_probs [rows, F, draft vocab]);
-        returns their indices [rows, F * k]."""
+        returns their indices [rows, F * k]. They are the next F * k nodes: written as one block of every tensor
+        (slices, not scattered indices: a level's bookkeeping is a few dozen small operations, each costing about
+        what its Python call does)."""
         top = log_probs.topk(k, dim=-1)  # [rows, F, k]
         rows, width = frontier.shape[0], frontier.shape[1] * k
-        children = torch.arange(self.count, self.count + width, device=self.tokens.device)
-        parents = frontier.repeat_interleave(k, dim=1)
-        self.tokens[:, children], self.parents[:, children] = self.vocab.to_target(top.indices).flatten(1), parents
-        self.depth[children] = self.depth[parents[0]] + 1
+        new = slice(self.count, self.count + width)
+        parents = frontier[..., None].expand(-1, -1, k).reshape(rows, width)
+        self.tokens[:, new] = self.vocab.to_target(top.indices).view(rows, width)
+        self.parents[:, new] = parents
+        self.depth[new] = self.level + 1  # a level at a time: children are one deeper
         local = top.values if self.acceptance is None else acceptance_log_probs(top.values, self.acceptance)
-        self.scores[:, children] = (self.scores.gather(1, frontier)[..., None] + local).flatten(1)
-        self.ancestors[:, children] = self.ancestors.gather(
-            1, parents[..., None].expand(-1, -1, self.ancestors.shape[2])
-        )
-        self.ancestors[:, children, children] = True
-        self.count, self.level = self.count + width, self.level + 1  # a level at a time: children are one deeper
+        self.scores[:, new] = (self.scores.gather(1, frontier)[..., None] + local).view(rows, width)
+        self.ancestors[:, new] = self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
+        self.ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)
+        self.count, self.level = self.count + width, self.level + 1
         if self.paths is not None:
-            self.paths[:, children] = self.paths.gather(1, parents[..., None].expand(-1, -1, self.paths.shape[2]))
-            self.paths[:, children, self.level - 1] = self.tokens[:, children]
-        return children.expand(rows, -1)
+            self.paths[:, new] = self.paths.gather(1, parents[..., None].expand(-1, -1, self.paths.shape[2]))
+            self.paths[:, new, self.level - 1] = self.tokens[:, new]
+        return self.index[None, new].expand(rows, -1)
 
     def ancestors_among(self, nodes: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
         """[rows, N, M]: whether among[b, m] is an ancestor of nodes[b, n] (or the node itself)."""

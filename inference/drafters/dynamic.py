@@ -161,7 +161,7 @@ class DynamicTreeDrafter(Drafter):
                 row.realised = RELIABILITY_DECAY * row.realised + matched_depth(tree, tokens, drafted)
                 row.guess = None
 
-    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+    def _read_committed(self, texts: list[torch.Tensor], host_texts: list[np.ndarray]) -> None:
         raise NotImplementedError
 
     def _skip(self, row: DraftRow, count: int) -> int:
@@ -288,8 +288,10 @@ class DynamicTreeDrafter(Drafter):
         """Read the committed texts (host_texts: the same on the host, or None), then grow every row's tree as deep
         as the deepest row may go: (the DraftNodes, each row's depth limit, the top-k a level), or None when no row
         may draft."""
+        if host_texts is None:  # outside the loop: read the texts back
+            host_texts = [text.cpu().numpy() for text in texts]
         self.context.read_texts(texts, host_texts)
-        self._read_committed(texts)
+        self._read_committed(texts, host_texts)
         limits = [min(row.level, depth) for row, depth in zip(self.rows, max_depths)]
         deepest = max(limits)
         if deepest < 1:

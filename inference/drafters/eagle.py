@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from heads import NO_COPY, EagleHead, copy_embedding
 
-from ..bigrams import bigram_table, draft_copies
+from ..bigrams import RowBigrams, bigram_table, draft_copies
 from ..compiled_heads import compiled_head
+from ..transfer import to_device
 from ..tree_size import DynamicTreeSpec
 from .base import check_head_fits, kept_vocabulary
 from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
@@ -19,6 +20,7 @@ from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
 @dataclass
 class EagleRow(DraftRow):
     pending: list = field(default_factory=list)  # observed (features, next tokens) pairs not read yet
+    bigrams: RowBigrams | None = None  # with the copy input: the committed text's bigrams (inference.bigrams)
 
 
 class EagleDrafter(DynamicTreeDrafter):
@@ -50,11 +52,11 @@ class EagleDrafter(DynamicTreeDrafter):
 
     def reset(self, rows: int = 1) -> None:
         super().reset(rows)
-        # with the copy input: the committed bigrams (inference.bigrams) and each row's last two committed tokens
-        self.bigrams, self.tails = None, None
+        self.bigrams = None  # with the copy input: every row's committed bigrams on the device, this step's
 
     def new_row(self) -> EagleRow:
-        return EagleRow(level=self.spec.depth)
+        vocab_size = self.embed.weight.shape[0]
+        return EagleRow(level=self.spec.depth, bigrams=RowBigrams(vocab_size) if self.head.config.copy_input else None)
 
     def observe_rows(self, hidden, next_tokens) -> None:
         super().observe_rows(hidden, next_tokens)
@@ -63,14 +65,14 @@ class EagleDrafter(DynamicTreeDrafter):
                 (torch.cat([row_hidden[layer] for layer in self.hidden_layers], dim=-1), tokens)
             )  # fused in the head
 
-    def _read_committed(self, texts: list[torch.Tensor]) -> None:
-        """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text."""
+    def _read_committed(self, texts: list[torch.Tensor], host_texts: list[np.ndarray]) -> None:
+        """Feed the head the pairs each row observed since the last proposal; texts[b] is row b's committed text,
+        host_texts[b] the same on the host."""
         copy_input = self.head.config.copy_input
         if copy_input:
-            self.bigrams = bigram_table(texts, self.embed.weight.shape[0])
-            self.tails = torch.stack(
-                [text[-2:] if text.shape[0] > 1 else F.pad(text, (1, 0), value=-1) for text in texts]
-            )
+            for row, host in zip(self.rows, host_texts):
+                row.bigrams.read(host)
+            self.bigrams = bigram_table([row.bigrams for row in self.rows], texts[0].device)
         counts = [sum(tokens.shape[0] for _, tokens in row.pending) for row in self.rows]
         if not any(counts):
             return
@@ -81,24 +83,28 @@ class EagleDrafter(DynamicTreeDrafter):
             if not count:
                 read.append(None)
                 continue
-            copies = None
-            if copy_input:  # pair t reads tokens t and t + 1 of the committed text
-                start = state.skipped + state.length
-                copies = self.bigrams.copies[row][start : start + count]
-            skip = self._skip(state, count)  # after the copy tokens: the bigrams of a whole prompt are cheap to keep
+            start = state.skipped + state.length  # pair t reads tokens t and t + 1 of the committed text
+            skip = self._skip(state, count)
             features = torch.cat([f for f, _ in state.pending])[skip:]
             tokens = torch.cat([t for _, t in state.pending])[skip:]
-            read.append((features, tokens, None if copies is None else copies[skip:]))
+            copies = state.bigrams.copies[start + skip : start + count] if copy_input else None
+            read.append((features, tokens, copies))
             counts[row] -= skip
         width = max(counts)
-        features = first.new_zeros(rows, width, first.shape[-1])
-        next_tokens = torch.zeros(rows, width, dtype=torch.long, device=device)  # padding reads token 0, masked off
-        copies = torch.full((rows, width), NO_COPY, dtype=torch.long, device=device)
-        for row, (count, pairs) in enumerate(zip(counts, read)):
-            if pairs is not None:
-                features[row, :count], next_tokens[row, :count] = pairs[0], pairs[1]
-                if copy_input:
-                    copies[row, :count] = pairs[2]
+        if rows == 1:  # one sequence: its pairs as they are, no padded block to fill
+            features, next_tokens, copies = read[0]
+            features, next_tokens = features[None], next_tokens[None]
+            copies = to_device([copies], device) if copy_input else None
+        else:
+            features = first.new_zeros(rows, width, first.shape[-1])
+            next_tokens = torch.zeros(rows, width, dtype=torch.long, device=device)  # padding reads 0, masked off
+            copies = np.full((rows, width), NO_COPY, dtype=np.int64)
+            for row, (count, pairs) in enumerate(zip(counts, read)):
+                if pairs is not None:
+                    features[row, :count], next_tokens[row, :count] = pairs[0], pairs[1]
+                    if copy_input:
+                        copies[row, :count] = pairs[2]
+            copies = to_device(copies, device) if copy_input else None
         for state in self.rows:
             state.pending = []
         copy_embeds = copy_embedding(self.embed, copies) if copy_input else None
@@ -124,10 +130,8 @@ class EagleDrafter(DynamicTreeDrafter):
         positions: torch.Tensor,
     ) -> torch.Tensor:
         copies = None
-        if self.tails is not None:
-            copies = copy_embedding(
-                self.embed, draft_copies(self.bigrams, self.tails, nodes.path_tokens(frontier, depth))
-            )
+        if self.bigrams is not None:
+            copies = copy_embedding(self.embed, draft_copies(self.bigrams, nodes.path_tokens(frontier, depth)))
         return self.run_head(
             states,
             self.embed(nodes.tokens.gather(1, frontier)),

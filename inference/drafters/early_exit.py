@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from heads import DraftVocabulary, EarlyExitHead
@@ -35,7 +36,7 @@ class EarlyExitDrafter(DynamicTreeDrafter):
         self.run_head = compiled_head(head, model, CompiledEarlyExit)  # compiled like the target's passes, or the head
         self.reset()
 
-    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+    def _read_committed(self, texts: list[torch.Tensor], host_texts: list[np.ndarray]) -> None:
         # the committed text only grows: what the cache holds stays valid
         counts = [text.shape[0] - row.skipped - row.length for text, row in zip(texts, self.rows)]
         counts = [count - self._skip(row, count) for count, row in zip(counts, self.rows)]

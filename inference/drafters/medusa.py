@@ -170,7 +170,7 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
         super().keep_rows(rows)
         self.hidden = None if self.hidden is None else self.hidden[rows]
 
-    def _read_committed(self, texts: list[torch.Tensor]) -> None:
+    def _read_committed(self, texts: list[torch.Tensor], host_texts: list[np.ndarray]) -> None:
         self.last = self.heads.step(0, self.hidden, self.embed(torch.stack([text[-1] for text in texts])))
 
     def _expand(
