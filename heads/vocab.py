@@ -47,8 +47,8 @@ class DraftVocabulary:
         # the product over every row, base and added, where whoever added them keeps a faster one (a context
         # vocabulary's packed buffer: inference.context_vocab)
         self.projection = None
-        # a context vocabulary's buffers with nothing added yet, kept with it for the next (inference.context_vocab)
-        self.blank = None
+        # a context vocabulary's buffers, kept with it for the next (inference.context_vocab)
+        self.kept_buffers = None
 
     @property
     def extensible(self) -> bool:

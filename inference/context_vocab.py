@@ -15,6 +15,7 @@ masked out of a row's probabilities, so each row drafts what it would alone.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -62,18 +63,27 @@ class ContextVocabulary:
             self._empty(ROOM)
 
     def _empty(self, room: int) -> None:
-        """No token added yet; a buffer with room for `room`, the blank one kept with the base where it has that room
-        (packing a buffer takes milliseconds, as much as a few steps' drafting). Where it is packed, the vocabulary
-        spans it from the start (its added rows masked off): no product of the base's rows alone is needed."""
+        """No token added yet; a buffer with room for `room`: the one kept with the base where it has that room and
+        no other live vocabulary drafts from it (packing a buffer takes milliseconds, as much as a few steps'
+        drafting). What earlier sequences wrote there needs no clearing: rows past the count are masked off. Where
+        the buffer is packed, the vocabulary spans it from the start: no product of the base's rows alone."""
         self.member = self.base_member.copy()  # on the host: the tokens in the vocabulary
         self.added = np.zeros(0, dtype=np.int64)  # on the host: the added tokens, in the order they joined
-        blank = self.base.blank  # (rooms it serves, buffers): shared by every reset, till written
-        if blank is None or room not in blank[0]:
+        kept = self.base.kept_buffers  # [the rooms they serve, the buffers, their user]
+        if kept is None or room not in kept[0]:
             self.weight = None
             self._allocate(room)
-            blank = self.base.blank = ({room, self.room}, (self.weight, self.bias, self.ids, self.packed, self.room))
-        self.weight, self.bias, self.ids, self.packed, self.room = blank[1]
-        self.written = False  # the blank buffers are shared: _add copies them first
+            kept = self.base.kept_buffers = [
+                {room, self.room},
+                (self.weight, self.bias, self.ids, self.packed, self.room),
+            ]
+            kept.append(None)
+        self.weight, self.bias, self.ids, self.packed, self.room = kept[1]
+        user = None if kept[2] is None else kept[2]()
+        if user is not None and user is not self:  # another sequence drafts from them now: copies of its own
+            self._copy_buffers()
+        else:
+            kept[2] = weakref.ref(self)
         self.current = self.base if self.packed is None else self._spanning()
 
     def _spanning(self) -> DraftVocabulary:
@@ -109,7 +119,6 @@ class ContextVocabulary:
                 bias[:kept] = self.base.bias if old is None else self.bias[:kept]
         self.weight, self.bias, self.ids, self.room = weight, bias, ids, room
         self.packed = None if rows is None else torch.ops.specheads.pack_linear_weight(weight)
-        self.written = True  # buffers of its own
 
     def _add(self, tokens: np.ndarray) -> None:
         """Append the rows of `tokens` (distinct, in the order they were read) not in the vocabulary yet."""
@@ -119,8 +128,6 @@ class ContextVocabulary:
             return
         if self.count + count > self.room:
             self._allocate(max(self.room, self.count + count + self.room // 4 + ROOM))
-        elif not self.written:
-            self._copy_buffers()
         device = self.weight.device
         rows = to_device(np.arange(self.count, self.count + count) + self.base.base_size, device)
         new = to_device(tokens, device)
@@ -137,11 +144,10 @@ class ContextVocabulary:
         self.current = self._spanning()
 
     def _copy_buffers(self) -> None:
-        """Buffers of its own, copied from the (shared) ones it has."""
+        """Buffers of its own, copied from the ones it has."""
         self.weight, self.ids = self.weight.clone(), self.ids.clone()
         self.packed = None if self.packed is None else self.packed.clone()
         self.bias = None if self.bias is None else self.bias.clone()
-        self.written = True
 
     def _mask_unseen(self) -> None:
         """`unseen` [rows or 1, N]: the added rows not filled yet and, in a batch, those a row has not seen itself
@@ -165,7 +171,7 @@ class ContextVocabulary:
             return self.current
         if self.weight.is_inference() and not torch.is_inference_mode_enabled():
             # buffers made inside generate() are inference tensors, which only inference mode may write
-            self.base.blank = None
+            self.base.kept_buffers = None
             self._copy_buffers()
         if host_texts is None:  # outside the loop: read the texts back
             host_texts = [text.cpu().numpy() for text in texts]

@@ -112,18 +112,24 @@ def test_heads_with_lm_heads_of_their_own_do_not_grow():
     assert not as_drafter(heads, model).context.enabled
 
 
-def test_resets_share_the_blank_buffers_and_the_first_write_copies_them():
+def test_the_next_vocabulary_over_a_base_takes_its_buffers_and_a_live_one_keeps_its_own():
     base = DraftVocabulary(lm_head(), torch.tensor([2, 5]))
-    first, second = ContextVocabulary(base), ContextVocabulary(base)
-    blank = first.weight
-    assert second.weight is blank  # one buffer packed for both, kept with the base
+    first = ContextVocabulary(base)
+    buffer = first.weight
+    second = ContextVocabulary(base)  # the first still drafts: a copy of its own
+    assert second.weight is not buffer
     first.read_texts([torch.tensor([9, 2, 11])])
-    assert first.weight is not blank and added(first) == [9, 11]
-    assert (blank[2:] == 0).all() and second.count == 0  # the blank one was left as it was
     second.read_texts([torch.tensor([4])])
-    assert added(second) == [4] and added(first) == [9, 11]
+    assert added(first) == [9, 11] and added(second) == [4] and first.weight is buffer
     first.reset()
-    assert first.weight is blank and first.count == 0 and first.current is base
+    assert first.weight is buffer and first.count == 0 and first.current is base
+    del first, second
+    third = ContextVocabulary(base)  # the buffer kept with the base, the first's rows still in it
+    assert third.weight is buffer and (buffer[2:4] != 0).any()
+    vocab = third.read_texts([torch.tensor([7, 2])])
+    assert added(third) == [7]
+    probabilities = third.log_probs(vocab.logits(torch.randn(3, 4))).exp()
+    assert (probabilities[:, 3:] == 0).all() and torch.allclose(probabilities.sum(-1), torch.ones(3))
 
 
 def test_a_drafter_keeps_its_heads_vocabulary_till_the_targets_rows_change():
