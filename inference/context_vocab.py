@@ -25,12 +25,6 @@ from heads import DraftVocabulary
 from .packed import packable_rows, write_packed_rows
 from .transfer import to_device
 
-
-def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """A head's log-probabilities in float32, -inf where they are NaN (non-finite weights): impossible drafts."""
-    return torch.log_softmax(logits, dim=-1, dtype=torch.float32).nan_to_num_(nan=float("-inf"))
-
-
 ROOM = 256  # added rows a vocabulary's buffer has room for at first (it grows by a quarter and this much)
 
 
@@ -161,7 +155,7 @@ class ContextVocabulary:
         if self.shared:
             unseen[:, size : size + self.count] = ~self.seen[:, self.added]
         self.unseen = to_device(unseen, self.weight.device, torch.bool)
-        # added to the logits, in float32 (the log-softmax's dtype): one operation, where masking took two
+        # added to the logits in float32 (top)
         self.unseen_logits = torch.zeros(unseen.shape, device=self.weight.device).masked_fill_(self.unseen, -math.inf)
 
     def read_texts(self, texts: list[torch.Tensor], host_texts: list[np.ndarray] | None = None) -> DraftVocabulary:
@@ -205,9 +199,13 @@ class ContextVocabulary:
             self.seen = self.seen[rows]
             self._mask_unseen()
 
-    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of logits [rows, ..., N] over `current`, each row's unseen tokens impossible."""
-        if self.unseen is not None:
+    def top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest tokens of logits [rows, ..., N] over `current`, each row's unseen tokens impossible: their
+        log-probabilities in float32 (-inf for a NaN one: non-finite weights) and their indices."""
+        if self.unseen is None:
+            logits = logits.float()
+        else:  # added in float32: the mask and the cast in one operation
             shape = (self.unseen.shape[0],) + (1,) * (logits.dim() - 2) + (self.unseen.shape[1],)
             logits = logits + self.unseen_logits.view(shape)
-        return log_probabilities(logits)
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        return top.values.nan_to_num_(nan=-math.inf), top.indices

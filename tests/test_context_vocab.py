@@ -19,6 +19,12 @@ def added(context: ContextVocabulary) -> list[int]:
     return context.current.ids[context.base.base_size :][: int(context.count)].tolist()
 
 
+def all_log_probs(context: ContextVocabulary, logits: torch.Tensor) -> torch.Tensor:
+    """Every token's log-probability, in the vocabulary's order, from its top-k over all of them."""
+    values, indices = context.top(logits, logits.shape[-1])
+    return torch.empty_like(values).scatter_(-1, indices, values)
+
+
 def test_read_tokens_join_with_the_targets_rows_each_once():
     projection = lm_head()
     context = ContextVocabulary(DraftVocabulary(projection, torch.tensor([2, 5, 7])))
@@ -30,7 +36,7 @@ def test_read_tokens_join_with_the_targets_rows_each_once():
     torch.testing.assert_close(vocab.logits(features)[:, :5], projection(features)[:, [2, 5, 7, 11, 3]])
     # the vocabulary spans its whole buffer (ROOM rows and a spare one after the base's): rows not filled are
     # impossible
-    log_probs = context.log_probs(vocab.logits(features))
+    log_probs = all_log_probs(context, vocab.logits(features))
     assert vocab.weight.shape[0] == 3 + ROOM + 1 and (log_probs[:, 5:].exp() == 0).all()
     torch.testing.assert_close(log_probs[:, :5], torch.log_softmax(projection(features)[:, [2, 5, 7, 11, 3]], -1))
     context.read_texts([torch.tensor([7, 11, 3, 11, 2, 3])])  # nothing new
@@ -77,7 +83,7 @@ def test_each_row_drafts_only_the_tokens_it_has_seen():
     seen = ~context.unseen[:, :4]
     assert seen.tolist() == [[True, True, True, False], [True, True, True, True]]  # row 0 never saw 4
     assert context.unseen[:, 4:].all()  # rows not filled
-    log_probs = context.log_probs(torch.zeros(2, 3, context.current.weight.shape[0]))  # [rows, frontier, N]
+    log_probs = all_log_probs(context, torch.zeros(2, 3, context.current.weight.shape[0]))  # [rows, frontier, N]
     probabilities = log_probs.exp()
     assert (probabilities[0, :, 3:] == 0).all() and (probabilities[1, :, 4:] == 0).all()
     torch.testing.assert_close(probabilities[0, :, :3], torch.full((3, 3), 1 / 3))  # as if it drafted from 3 tokens
@@ -128,7 +134,7 @@ def test_the_next_vocabulary_over_a_base_takes_its_buffers_and_a_live_one_keeps_
     assert third.weight is buffer and (buffer[2:4] != 0).any()
     vocab = third.read_texts([torch.tensor([7, 2])])
     assert added(third) == [7]
-    probabilities = third.log_probs(vocab.logits(torch.randn(3, 4))).exp()
+    probabilities = all_log_probs(third, vocab.logits(torch.randn(3, 4))).exp()
     assert (probabilities[:, 3:] == 0).all() and torch.allclose(probabilities.sum(-1), torch.ones(3))
 
 

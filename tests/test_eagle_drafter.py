@@ -40,9 +40,9 @@ class CheckedEagleDrafter(EagleDrafter):
 
     checked_nodes = 0
 
-    def _log_probs(self, features):
+    def _top(self, features, k):
         self.seen.append(features.reshape(-1, features.shape[-1]).clone())
-        return super()._log_probs(features)
+        return super()._top(features, k)
 
     def propose_rows(self, texts, max_depths, host_texts=None):  # what the loop calls: one row here
         (tokens,) = texts

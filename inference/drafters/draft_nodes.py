@@ -41,19 +41,20 @@ class DraftNodes:
             True,
         )
 
-    def add_children(self, frontier: torch.Tensor, log_probs: torch.Tensor, k: int) -> torch.Tensor:
-        """Each frontier node's `k` likeliest children (frontier [rows, F], log_probs [rows, F, draft vocab]);
-        returns their indices [rows, F * k]. They are the next F * k nodes: written as one block of every tensor
-        (slices, not scattered indices: a level's bookkeeping is a few dozen small operations, each costing about
-        what its Python call does)."""
-        top = log_probs.topk(k, dim=-1)  # [rows, F, k]
-        rows, width = frontier.shape[0], frontier.shape[1] * k
+    def add_children(self, frontier: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each frontier node's k likeliest children (frontier [rows, F]; top: their log-probabilities and draft
+        indices [rows, F, k]); returns their indices [rows, F * k]. They are the next F * k nodes, written as one
+        block of every tensor (slices, not scattered indices: a level's bookkeeping is a few dozen small operations,
+        each costing about what its Python call does)."""
+        values, indices = top
+        rows, k = frontier.shape[0], indices.shape[-1]
+        width = frontier.shape[1] * k
         new = slice(self.count, self.count + width)
         parents = frontier[..., None].expand(-1, -1, k).reshape(rows, width)
-        self.tokens[:, new] = self.vocab.to_target(top.indices).view(rows, width)
+        self.tokens[:, new] = self.vocab.to_target(indices).view(rows, width)
         self.parents[:, new] = parents
         self.depth[new] = self.level + 1  # a level at a time: children are one deeper
-        local = top.values if self.acceptance is None else acceptance_log_probs(top.values, self.acceptance)
+        local = values if self.acceptance is None else acceptance_log_probs(values, self.acceptance)
         self.scores[:, new] = (self.scores.gather(1, frontier)[..., None] + local).view(rows, width)
         self.ancestors[:, new] = self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
         self.ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)

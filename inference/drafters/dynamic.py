@@ -254,8 +254,9 @@ class DynamicTreeDrafter(Drafter):
         for row in rows:
             self.rows[row].length = counts[row]
 
-    def _log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        return self.context.log_probs(self.vocab.logits(outputs))
+    def _top(self, outputs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest drafts after each of outputs [rows, ..., H]: log-probabilities and draft indices."""
+        return self.context.top(self.vocab.logits(outputs), k)
 
     def propose_rows(
         self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None = None
@@ -303,7 +304,7 @@ class DynamicTreeDrafter(Drafter):
             roots, drafted_nodes(deepest, k), self.vocab, deepest if self.draft_paths else 0, self.acceptance
         )
         frontier = nodes.add_children(
-            torch.zeros(rows, 1, dtype=torch.long, device=device), self._log_probs(self.last)[:, None], k
+            torch.zeros(rows, 1, dtype=torch.long, device=device), self._top(self.last[:, None], k)
         )
         states, fed = self.last[:, None].expand(-1, k, -1), []
         start, lengths = self.cache.get_seq_length(), to_device(self.lengths, device)
@@ -317,7 +318,7 @@ class DynamicTreeDrafter(Drafter):
             out = self._expand(
                 level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions
             )
-            children = nodes.add_children(frontier, self._log_probs(out), k)
+            children = nodes.add_children(frontier, self._top(out, k))
             # EAGLE-2: expand the likeliest
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
             frontier = children.gather(1, best)

@@ -98,12 +98,10 @@ class MedusaDrafter(Drafter):
             return [root_only(text) for text in texts]
         vocab = self.context.read_texts(texts, host_texts)
         logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
-        top = self.context.log_probs(logits).topk(
-            min(ranks, logits.shape[-1]), dim=-1
-        )  # a draft vocabulary may be tiny
+        values, indices = self.context.top(logits, min(ranks, logits.shape[-1]))  # a draft vocabulary may be tiny
         roots = torch.stack([text[-1] for text in texts])
         # ONE read: the trees are chosen and built on the host (Tree.from_lists), and checked there by the loop
-        candidates, probabilities, roots = read_together(vocab.to_target(top.indices), top.values.exp(), roots)
+        candidates, probabilities, roots = read_together(vocab.to_target(indices), values.exp(), roots)
         trees = []
         for row, (text, max_depth) in enumerate(zip(texts, max_depths)):
             tree = self.tree
