@@ -52,10 +52,8 @@ def copy_embedding(embed: nn.Module, copies: torch.Tensor) -> torch.Tensor:
 
 def causal_mask(new: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask [1, 1, new, past + new]: each new entry sees the cached ones and the new ones up to itself."""
-    allowed = torch.arange(past + new, device=device) <= torch.arange(past, past + new, device=device)[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[
-        None, None
-    ]
+    # entry i sees columns up to past + i: the columns masked are those at or above diagonal past + 1
+    return torch.full((new, past + new), torch.finfo(dtype).min, dtype=dtype, device=device).triu_(past + 1)[None, None]
 
 
 class Eagle3Layer(nn.Module):

@@ -61,28 +61,27 @@ class RowBigrams:
 @dataclass(frozen=True)
 class BigramTable:
     """Every row's committed bigrams on the device, sorted: keys[i] = row * V * V + first * V + second, ascending,
-    successors[i] the token after that bigram's latest occurrence with a token after it. tails [rows, 2]: each
-    row's last two committed tokens (-1 before a one-token text)."""
+    after a first key of -1 (whose successor is NO_COPY: every search lands at or after it), successors[i] the
+    token after that bigram's latest occurrence with a token after it. offsets [rows, 1]: row * V * V. tails
+    [rows, 2]: each row's last two committed tokens (-1 before a one-token text)."""
 
     keys: torch.Tensor
     successors: torch.Tensor
+    offsets: torch.Tensor
     tails: torch.Tensor
     vocab_size: int
 
-    def lookup(self, rows: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-        """The token that followed the latest committed (first, second) of each row, NO_COPY where none did."""
-        keys = (rows * self.vocab_size + first) * self.vocab_size + second
-        if self.keys.shape[0] == 0:
-            return torch.full_like(keys, NO_COPY)
-        index = torch.searchsorted(self.keys, keys.contiguous(), right=True) - 1
-        clamped = index.clamp(min=0)
-        found = (index >= 0) & (self.keys[clamped] == keys)
-        return torch.where(found, self.successors[clamped], NO_COPY)
+    def lookup(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """The token that followed the latest committed (first, second) of each row ([rows, F] tokens), NO_COPY
+        where none did."""
+        keys = first * self.vocab_size + second + self.offsets
+        index = torch.searchsorted(self.keys, keys, right=True) - 1
+        return torch.where(self.keys[index] == keys, self.successors[index], NO_COPY)
 
 
 def bigram_table(rows: list[RowBigrams], device: torch.device) -> BigramTable:
     """The rows' bigrams as one sorted table on `device` (row b's RowBigrams is rows[b])."""
-    keys, successors = [], []
+    keys, successors = [np.full(1, -1)], [np.full(1, NO_COPY)]
     for row, bigrams in enumerate(rows):
         count = len(bigrams.slots)
         order = np.argsort(bigrams.keys[:count])
@@ -93,6 +92,7 @@ def bigram_table(rows: list[RowBigrams], device: torch.device) -> BigramTable:
     return BigramTable(
         to_device(np.concatenate(keys), device),
         to_device(np.concatenate(successors), device),
+        to_device([[row * vocab_size**2] for row in range(len(rows))], device),
         to_device(tails, device),
         vocab_size,
     )
@@ -109,5 +109,4 @@ def draft_copies(table: BigramTable, paths: torch.Tensor) -> torch.Tensor:
     inside = (text[..., :depth] == first[..., None]) & (text[..., 1 : depth + 1] == second[..., None])
     latest = (inside * torch.arange(1, depth + 1, device=paths.device)).argmax(dim=-1, keepdim=True)
     on_path = text[..., 2:].gather(-1, latest)[..., 0]
-    row_ids = torch.arange(rows, device=paths.device)[:, None].expand(-1, width)
-    return torch.where(inside.any(dim=-1), on_path, table.lookup(row_ids, first, second))
+    return torch.where(inside.any(dim=-1), on_path, table.lookup(first, second))
