@@ -51,9 +51,11 @@ class PositionLayer(DynamicLayer):
             else:
                 self.key_buffer = self.value_buffer = None
         used, rows = self.get_seq_length(), like.shape[0]
-        if not self._fits(like.shape, used + new) and self.shared is not None:
+        fits = self._fits(like.shape, used + new)
+        if not fits and self.shared is not None:
             self.shared.grow(like, used + new)  # every layer's buffers, this one's among them
-        if not self._fits(like.shape, used + new):
+            fits = self._fits(like.shape, used + new)
+        if not fits:
             capacity = used + new + max(256, (used + new) // 2)
             shape = (*like.shape[:-2], capacity, like.shape[-1])
             key_buffer, value_buffer = like.new_empty(shape), like.new_empty(shape)
@@ -102,17 +104,18 @@ class PositionLayer(DynamicLayer):
     def _fits(self, shape, length: int) -> bool:
         """Whether `keys` still lives at the start of the buffer, and the buffer has room for entries of `shape`
         (rows, heads, _, dim) up to `length`."""
-        buffer = self.key_buffer
+        buffer, keys = self.key_buffer, self.keys
+        if buffer is None or buffer.shape[0] < shape[0] or buffer.shape[-2] < length:
+            return False
+        if buffer.shape[1:-2] != tuple(shape[1:-2]) or buffer.shape[-1] != shape[-1]:
+            return False
+        if keys.stride() != buffer.stride():
+            return False
+        if keys.numel():  # where the entries start (data_ptr() reads 0 for an empty view, so not by that alone)
+            return keys.data_ptr() == buffer.data_ptr()
         return (
-            buffer is not None
-            and buffer.shape[0] >= shape[0]
-            and buffer.shape[1:-2] == tuple(shape[1:-2])
-            and buffer.shape[-1] == shape[-1]
-            and buffer.shape[-2] >= length
-            # where the entries start (data_ptr() reads 0 for an empty view, so not by that)
-            and self.keys.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-            and self.keys.storage_offset() == buffer.storage_offset()
-            and self.keys.stride() == buffer.stride()
+            keys.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            and keys.storage_offset() == buffer.storage_offset()
         )
 
 
