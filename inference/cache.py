@@ -127,6 +127,7 @@ class SharedBuffers:
     def __init__(self):
         self.layers: list[PositionLayer] = []
         self.tensor: torch.Tensor | None = None
+        self._views = None  # (tensor, rows, each layer's (keys, values) first rows): what `stores` gave last
 
     def grow(self, like: torch.Tensor, length: int) -> None:
         """Buffers with room for `length` entries of `like`'s rows for every layer, each layer's used entries copied
@@ -147,6 +148,31 @@ class SharedBuffers:
             elif layer.is_initialized:  # initialized by the pass that grows these buffers: no entries yet
                 layer.keys, layer.values = keys[: like.shape[0], :, :0], values[: like.shape[0], :, :0]
             layer.key_buffer, layer.value_buffer = keys, values
+
+    def stores(self, rows: int, used: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's buffers' first `rows` rows, where a pass over `rows` rows may write its entries in place:
+        every layer holding `used` entries of those rows at the start of its buffer here, with room up to `length`.
+        None otherwise (each layer then reserves its own: PositionLayer.reserve). What a pass's 30 reserve calls
+        would give, checked in one loop: they cost a few percent of a one-token pass."""
+        tensor = self.tensor
+        if tensor is None or tensor.shape[1] < rows or tensor.shape[-2] < length or not used:
+            return None
+        if self._views is None or self._views[0] is not tensor or self._views[1] != rows:
+            views = [(tensor[2 * index, :rows], tensor[2 * index + 1, :rows]) for index in range(len(self.layers))]
+            self._views = (tensor, rows, views)
+        views = self._views[2]
+        for layer, (keys, values) in zip(self.layers, views, strict=True):
+            entries = layer.keys
+            if entries.data_ptr() != keys.data_ptr() or layer.values.data_ptr() != values.data_ptr():
+                return None
+            if entries.shape[0] != rows or entries.shape[-2] != used or entries.stride() != keys.stride():
+                return None
+        return views
+
+    def extend(self, views: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Every layer takes in the entries a pass wrote into `views` (from `stores`), up to `length`."""
+        for layer, (keys, values) in zip(self.layers, views, strict=True):
+            layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
 
     def used(self) -> torch.Tensor | None:
         """The used part of every layer's entries as one view [2 * layers, rows, heads, used, dim], or None where

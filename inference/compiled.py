@@ -129,18 +129,24 @@ class CompiledPasses:
         else:
             likes = [layer.keys for layer in cache.layers]
         shared = getattr(cache.layers[0], "shared", None)  # cache.SharedBuffers: all layers' buffers in one
-        before = None if shared is None else shared.tensor
-        stores = [stores_with_room(layer, like, new) for layer, like in zip(cache.layers, likes, strict=True)]
-        if shared is not None and shared.tensor is not before and shared.tensor is not None:
-            # a layer past the first grew every layer's buffers: the stores taken before it were the old ones
+        stores = None if shared is None else shared.stores(rows, cached, cached + new)  # the usual case, at once
+        at_once = stores is not None
+        if not at_once:
+            before = None if shared is None else shared.tensor
             stores = [stores_with_room(layer, like, new) for layer, like in zip(cache.layers, likes, strict=True)]
+            if shared is not None and shared.tensor is not before and shared.tensor is not None:
+                # a layer past the first grew every layer's buffers: the stores taken before it were the old ones
+                stores = [stores_with_room(layer, like, new) for layer, like in zip(cache.layers, likes, strict=True)]
         keys, values = [k for k, _ in stores], [v for _, v in stores]
         narrow = self.narrow_runner is not None and rows * new <= NARROW_TOKENS
         outputs = (self.narrow_runner if narrow else self.runner)(
             *[x.contiguous() for x in inputs], keys, values, *[x.contiguous() for x in extra]
         )
-        for layer, (key_store, value_store) in zip(cache.layers, stores, strict=True):
-            take_entries(layer, key_store, value_store, cached, new)
+        if at_once:
+            shared.extend(stores, cached + new)
+        else:
+            for layer, (key_store, value_store) in zip(cache.layers, stores, strict=True):
+                take_entries(layer, key_store, value_store, cached, new)
         return outputs
 
     def ready(self, verbose: bool = True, recheck: bool = False) -> bool:

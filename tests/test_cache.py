@@ -182,3 +182,26 @@ def test_a_compiled_pass_takes_its_stores_again_when_a_later_layer_grows_every_l
         assert layer.keys.shape == (1, 2, 6, 4)
         assert (layer.keys[:, :, 5] == 7).all() and (layer.values[:, :, 5] == 7).all()
         assert (layer.keys[:, :, :5] == 0).all()
+
+
+def test_a_pass_takes_every_layers_stores_at_once_while_they_lie_in_the_shared_buffers():
+    """SharedBuffers.stores: what each layer's reserve would give, or None when any layer's entries lie elsewhere,
+    hold another count, or would overrun the buffers."""
+    cache = position_cache(3)
+    for layer in range(3):
+        cache.update(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4), layer)
+    shared = cache.layers[0].shared
+    views = shared.stores(2, 5, 6)
+    reserved = [layer.reserve(layer.keys, 1) for layer in cache.layers]
+    assert all(torch.equal(k, rk) and k.data_ptr() == rk.data_ptr() for (k, _), (rk, _) in zip(views, reserved))
+    for keys, values in views:
+        keys[:, :, 5], values[:, :, 5] = 3.0, 4.0  # the pass writes its entries in place
+    shared.extend(views, 6)
+    assert all((layer.keys[:, :, 5] == 3).all() and (layer.values[:, :, 5] == 4).all() for layer in cache.layers)
+    assert cache.get_seq_length() == 6 and shared.stores(2, 6, 7) is not None
+    assert shared.stores(2, 5, 7) is None  # the layers hold 6 entries, not 5
+    assert shared.stores(2, 6, shared.tensor.shape[-2] + 1) is None  # no room
+    assert shared.stores(3, 6, 7) is None  # more rows than the buffers have
+    layer = cache.layers[1]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # off its buffer
+    assert shared.stores(2, 6, 7) is None
