@@ -94,11 +94,10 @@ class ContextVocabulary:
         return self.added.shape[0]
 
     def _allocate(self, room: int) -> None:
-        """A buffer for the base's rows and `room` added ones (the added rows so far copied), and one more row
-        (a spare: ROOM counted it before, and the buffer's width stays as it was). Where our packed kernel serves
-        it, the room is rounded up to fill its groups of 64 rows, and the buffer is kept packed too (`packed`), its
-        rows written as they are added: the whole vocabulary is then one product, no added rows through a kernel of
-        their own (docs/experiments.md, row X16)."""
+        """A buffer for the base's rows, `room` added ones (the added rows so far copied) and a spare one. Where our
+        packed kernel serves it, the room is rounded up to fill its groups of 64 rows, and the buffer is kept packed
+        too (`packed`), its rows written as they are added: the whole vocabulary is then one product, no added rows
+        through a kernel of their own (docs/experiments.md, row X16)."""
         size, old = self.base.base_size, self.weight
         rows = packable_rows(size + room + 1, self.base.weight)
         room = room if rows is None else rows - size - 1
