@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 # what the project raises for bad input (HeadConfigError, ConfigError and TreeError are ValueErrors), a missing
@@ -16,6 +18,9 @@ def run(main, prog: str, argv=None):
     try:
         return main(argv)
     except KeyboardInterrupt:
+        # a second Ctrl-C while the interpreter shuts down (seconds with torch loaded) would kill it by the signal
+        with contextlib.suppress(ValueError):  # outside the main thread no handler can be set
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"\n{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     except USER_ERRORS as error:
