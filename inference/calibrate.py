@@ -2,12 +2,13 @@
 
     python -m inference.calibrate [--model DIR_OR_HUB_ID] [--heads CHECKPOINT] [--dtype auto] [--batch N] [--refresh]
 
-The best tree depends on the hardware: how much more a pass over k tokens costs than a one-token pass, and what
-a draft level costs, differ by instruction set and dtype. The measurement takes seconds and is kept in the
-artefact store (inference.store) per (model, heads, dtype, device, threads, compiled packages, torch version);
-`load_or_measure` reads it back, and generate() sizes its trees with it (DynamicTreeSpec(cost=...)). A measurement
-that the machine's load could have distorted (other processes busy meanwhile, its rounds disagreeing, a cost that
-cannot be right) is taken again; if it stays doubtful it serves this process only, with a warning.
+The best tree depends on the hardware: how much more a pass over k tokens costs than a one-token pass, and what a
+draft level costs, differ by instruction set and dtype. The measurement takes seconds and is kept in the artefact
+store (inference.store) per (model, heads, dtype, device, threads, compiled packages, torch version, the engine's
+own code: inference.store.code_digest); `load_or_measure` reads it back, and generate() sizes its trees with it
+(DynamicTreeSpec(cost=...)). A measurement that the machine's load could have distorted (other processes busy
+meanwhile, its rounds disagreeing, a cost that cannot be right) is taken again; if it stays doubtful it serves this
+process only, with a warning.
 """
 
 from __future__ import annotations
@@ -219,6 +220,7 @@ def cache_path(model, head: TrainedHeads | None, spec: DynamicTreeSpec | None, b
         None if head is None else (repr(head.config), store.weights_digest(head)),
         None if spec is None else (spec.depth, spec.top_k),
         batch,
+        store.code_digest(),  # an engine changed since prices its steps anew
     ]
     return store.artefact_path("calibration", f"{store.artefact_key(*parts)}.json")
 

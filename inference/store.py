@@ -14,6 +14,7 @@ OSError (a full disk, say) is never recorded: the next process simply tries agai
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+import heads
 
 VERSION = 9  # bump when what an artefact holds changes (a pass's inputs and outputs, what a calibration measures)
 
@@ -83,6 +86,24 @@ def recorded_failure(path: Path) -> str | None:
         return failure_path(path).read_text().strip()
     except OSError:
         return None
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the engine's own source (inference/ and heads/, kernels included): what a calibration's prices
+    depend on besides the machine and the model. A step's drafting and bookkeeping cost what this code makes them
+    cost, so an engine changed since a calibration measures again instead of pricing its trees by the old costs."""
+    return source_digest([Path(__file__).parent, Path(heads.__file__).parent])
+
+
+def source_digest(packages: list[Path]) -> str:
+    """A digest of the Python and C++ sources under `packages`, with their paths."""
+    digest = hashlib.sha256()
+    for package in packages:
+        for source in sorted([*package.rglob("*.py"), *package.rglob("*.cpp")]):
+            digest.update(f"{package.name}/{source.relative_to(package)}".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 _DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (its parameters' versions, digest)

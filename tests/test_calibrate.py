@@ -43,6 +43,30 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert calibrate.load_or_measure(model, head, spec, refresh=True) == SOUND.cost and len(calls) == 2
 
 
+def test_a_calibration_serves_only_the_engine_code_that_measured_it(tmp_path, monkeypatch):
+    """A step's drafting costs what the engine's code makes it cost: after an upgrade the old prices are not used."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    calls = measured_as(monkeypatch, SOUND, SOUND)
+    assert calibrate.load_or_measure(model) == SOUND.cost and len(calls) == 1
+    assert calibrate.load_or_measure(model) == SOUND.cost and len(calls) == 1  # the same code: read back
+    monkeypatch.setattr(store, "code_digest", lambda: "another version of the engine")
+    assert calibrate.load_or_measure(model) == SOUND.cost and len(calls) == 2  # measured again
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+
+
+def test_the_source_digest_follows_every_source_file(tmp_path):
+    package = tmp_path / "engine"
+    (package / "kernels").mkdir(parents=True)
+    (package / "loop.py").write_text("STEP = 1\n")
+    (package / "kernels" / "linear.cpp").write_text("int x;\n")
+    first = store.source_digest([package])
+    (package / "kernels" / "linear.cpp").write_text("int y;\n")
+    second = store.source_digest([package])
+    (package / "notes.txt").write_text("not a source")
+    assert len({first, second}) == 2 and store.source_digest([package]) == second
+
+
 def test_a_doubtful_calibration_is_measured_again_then_serves_this_process_only(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path))
     model = tiny_model("llama")
