@@ -37,7 +37,7 @@ from .doubts import Measurement, busy_elsewhere_since, doubt_about
 from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees
 from .loop import decode
 from .tree import chain_inputs
-from .tree_size import DynamicTreeSpec, PassCost
+from .tree_size import DynamicTreeSpec, PassCost, calibration_batch
 
 # 4 and 5 both: on a CPU, passes of up to 4 tokens run through a package of their own (inference.compiled.NARROW_TOKENS)
 # and cost much less than those of 5, so no cost between them is interpolated
@@ -326,16 +326,24 @@ def calibration_age(path: Path) -> str | None:
     )
 
 
-def calibration_batch(rows: int) -> int:
-    """The batch size whose calibration serves `rows` rows: the power of two at or below it (at most 64), so a few
-    measurements serve every batch."""
-    return min(1 << (max(rows, 1).bit_length() - 1), 64)
-
-
 def grown_tree_spec(head) -> DynamicTreeSpec | None:
     """The default tree of a head whose drafter grows it a level (a head pass) at a time, so that a level's cost is
     measured too: EAGLE, early exit, sequential Medusa. None for any other head (Medusa-1 drafts in one pass)."""
     return drafter_class(head).default_tree(head) if grows_dynamic_trees(head) else None
+
+
+def calibrated_widths(model, heads, *, batch: int, verbose: bool = False) -> dict[int, PassCost] | None:
+    """The calibrations of every batch width up to `batch` rows (1, 2, 4, ... as calibration_batch rounds them), for a
+    head whose drafter grows its tree a level at a time: a batch that shrinks as its rows finish, or a server whose
+    batch holds fewer requests than it could, prices each step at the rows it has (DynamicTreeDrafter.costs_by_rows).
+    None for any other heads."""
+    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
+    head = next((h for h in candidates if drafter_class(h) is not None), None)
+    spec = None if head is None else grown_tree_spec(head)
+    if spec is None:
+        return None
+    widths = [1 << shift for shift in range(calibration_batch(batch).bit_length())]
+    return {width: load_or_measure(model, head, spec, batch=width, verbose=verbose) for width in widths}
 
 
 def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> DynamicTreeSpec | None:

@@ -13,10 +13,11 @@ import torch
 from heads.attention import GROUPED_SDPA, grouped_attention
 
 from .accept import Sampling
-from .calibrate import calibrated_tree
+from .calibrate import calibrated_tree, calibrated_widths
 from .compiled_heads import warm_up
 from .drafters import (
     Drafter,
+    DynamicTreeDrafter,
     NoDrafter,
     PromptLookupDrafter,
     SequenceDrafter,
@@ -137,7 +138,8 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
     a list of prompts, None for one prompt.
 
     - tree None: a trained head's tree is sized to this machine's measured pass costs (inference.calibrate), per
-      batch size;
+      batch size; in a batch, a head growing dynamic trees prices each step at the rows it has then (every width up
+      to `rows` is calibrated);
     - lookup None: prompt lookup is merged into a trained head's tree for one prompt, and in a batch for a head
       that grows dynamic trees (it keeps only the copied tokens it believes likelier than its own drafts), so that
       no row's long span widens every row's verification;
@@ -162,9 +164,18 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
         return Plan(drafter, Fallback(enabled=enabled, last_ratio=last_ratio), head)
     lookup = bool(lookup) if lookup is not None else prompts == 1 or grows_dynamic_trees(heads)
     drafter = as_drafter(with_defaults(heads, lookup), model, spec)
+    if tree is None and rows > 1:  # each step priced at its rows: a batch empties, a server may hold one request
+        price_by_width(drafter, calibrated_widths(model, heads, batch=rows, verbose=True))
     enabled = fallback and not isinstance(drafter, NoDrafter)
     rule = Fallback(enabled=enabled, judge=max(4, JUDGE // rows), price=2, last_ratio=last_ratio)
     return Plan(drafter, rule, head, rows)
+
+
+def price_by_width(drafter: Drafter, costs) -> None:
+    """Give the drafter that grows dynamic trees (alone, or merged with others) a calibration for each batch width."""
+    for inner in getattr(drafter, "drafters", [drafter]) if costs is not None else []:
+        if isinstance(inner, DynamicTreeDrafter):
+            inner.costs_by_rows = costs
 
 
 def with_defaults(heads, lookup: bool):

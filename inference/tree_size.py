@@ -189,6 +189,12 @@ def next_depth(kept: int, drafted: int, limit: int) -> int:
     return min(limit, kept + 1 if kept >= drafted else max(kept, 1))
 
 
+def calibration_batch(rows: int) -> int:
+    """The batch size whose calibration serves `rows` rows: the power of two at or below it (at most 64), so a few
+    measurements serve every batch."""
+    return min(1 << (max(rows, 1).bit_length() - 1), 64)
+
+
 MAX_TOP_K, MAX_NODES = 64, 1024  # a verification pass over more tokens than this costs more than it can save
 
 

@@ -8,7 +8,11 @@ import torch
 
 from conftest import hf_greedy, tiny_model
 from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
-from inference import DynamicTreeSpec, calibrate, generate, store
+from inference import DynamicTreeSpec, calibrate, generate, loop, store
+from inference.accept import Sampling
+from inference.drafters import as_drafter
+from inference.fallback import Fallback
+from inference.generate import eos_ids
 from inference.tree_size import PassCost
 
 
@@ -131,6 +135,23 @@ def test_calibrated_tree_is_exact_and_shrinks_when_drafts_do_not_pay():
     steps = narrow.stats.target_forwards - 1  # the prefill is not a decode step
     assert narrow.stats.tree_nodes == steps  # nothing but the root was ever verified
     assert wide.stats.tree_nodes > 6 * (wide.stats.target_forwards - 1)  # free verification: (nearly) every draft kept
+
+
+def test_a_batch_step_is_priced_at_the_rows_it_has():
+    """Drafting that does not pay at two rows may pay at one: once the short prompt is done, the long one drafts."""
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_target(model.config)).eval()
+    prompts = [torch.randint(4, 97, (12,), generator=torch.Generator().manual_seed(seed)) for seed in (3, 4)]
+    costly = DynamicTreeSpec(depth=3, top_k=2, nodes=6, cost=PassCost((1, 2), (1.0, 3.0), draft_level=0.5))
+    drafter = as_drafter(head, model, costly, context_vocab=False)
+    drafter.costs_by_rows = {1: PassCost((1, 64), (1.0, 1.0)), 2: costly.cost}  # verifying alone is free
+    state = loop.start(model, drafter, eos_ids(model), Fallback(enabled=False), batch_size=2)
+    short, long = (loop.add(state, prompt, budget, Sampling()) for prompt, budget in zip(prompts, (6, 24)))
+    while loop.step(state):
+        pass
+    assert short.new_tokens == hf_greedy(model, prompts[0], 6) and long.new_tokens == hf_greedy(model, prompts[1], 24)
+    assert short.stats.tree_nodes == short.stats.target_forwards - 1  # two rows: nothing but the roots
+    assert long.stats.tree_nodes > 2 * (long.stats.target_forwards - 1)  # then alone, where drafts pay
 
 
 def test_sequential_medusa_heads_are_calibrated_with_their_draft_level():

@@ -4,7 +4,7 @@ Medusa heads): the trees grow level by level, one head pass a level for every ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -18,7 +18,15 @@ from ..padding import prefill_groups, right_padded_mask
 from ..transfer import read_together, to_device
 from ..tree import Tree, TreeError, additive_mask, matched_depth, subtree
 from ..tree_select import CandidatePool, graft_span, select_best_nodes
-from ..tree_size import DynamicTreeSpec, best_node_count, best_nodes, best_shared_tree, next_depth
+from ..tree_size import (
+    DynamicTreeSpec,
+    PassCost,
+    best_node_count,
+    best_nodes,
+    best_shared_tree,
+    calibration_batch,
+    next_depth,
+)
 from .base import Drafter, root_only
 from .draft_nodes import DraftNodes
 
@@ -74,6 +82,9 @@ class DynamicTreeDrafter(Drafter):
     # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/fit_acceptance_map.py records
     # the drafts there
     on_grown = None
+    # a calibration for each batch width (calibration_batch), where the plan measured them: a step's trees are priced
+    # at the rows it has, not at the most the batch may hold
+    costs_by_rows: dict[int, PassCost] | None = None
 
     def __init__(
         self,
@@ -285,10 +296,17 @@ class DynamicTreeDrafter(Drafter):
         nodes, limits, k = grown
         return self._select_batch(nodes, limits, max_depths, k, spans)
 
+    def _price(self, rows: int) -> None:
+        """Size this step's trees by the calibration of its width, where there is one for each."""
+        cost = (self.costs_by_rows or {}).get(calibration_batch(rows))
+        if cost is not None and cost is not self.spec.cost:
+            self.spec = replace(self.spec, cost=cost)
+
     def _grow(self, texts: list[torch.Tensor], max_depths: list[int], host_texts: list[np.ndarray] | None):
         """Read the committed texts (host_texts: the same on the host, or None), then grow every row's tree as deep
         as the deepest row may go: (the DraftNodes, each row's depth limit, the top-k a level), or None when no row
         may draft."""
+        self._price(len(texts))
         if host_texts is None:  # outside the loop: read the texts back
             host_texts = [text.cpu().numpy() for text in texts]
         self.context.read_texts(texts, host_texts)
