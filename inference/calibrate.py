@@ -332,13 +332,18 @@ def grown_tree_spec(head) -> DynamicTreeSpec | None:
     return drafter_class(head).default_tree(head) if grows_dynamic_trees(head) else None
 
 
+def trained_head(heads):
+    """The trained head among `heads` (one, or a list of drafters), or None."""
+    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
+    return next((h for h in candidates if drafter_class(h) is not None), None)
+
+
 def calibrated_widths(model, heads, *, batch: int, verbose: bool = False) -> dict[int, PassCost] | None:
     """The calibrations of every batch width up to `batch` rows (1, 2, 4, ... as calibration_batch rounds them), for a
     head whose drafter grows its tree a level at a time: a batch that shrinks as its rows finish, or a server whose
     batch holds fewer requests than it could, prices each step at the rows it has (DynamicTreeDrafter.costs_by_rows).
     None for any other heads."""
-    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
-    head = next((h for h in candidates if drafter_class(h) is not None), None)
+    head = trained_head(heads)
     spec = None if head is None else grown_tree_spec(head)
     if spec is None:
         return None
@@ -349,8 +354,7 @@ def calibrated_widths(model, heads, *, batch: int, verbose: bool = False) -> dic
 def calibrated_tree(model, heads, *, batch: int = 1, verbose: bool = False) -> DynamicTreeSpec | None:
     """The default tree of a head (alone or in a list of drafters): sized to this machine's pass costs, for
     `batch` sequences decoded together. None when no trained head drafts."""
-    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
-    head = next((h for h in candidates if drafter_class(h) is not None), None)
+    head = trained_head(heads)
     if head is None:
         return None
     batch = calibration_batch(batch)

@@ -173,7 +173,9 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
 
 def price_by_width(drafter: Drafter, costs) -> None:
     """Give the drafter that grows dynamic trees (alone, or merged with others) a calibration for each batch width."""
-    for inner in getattr(drafter, "drafters", [drafter]) if costs is not None else []:
+    if costs is None:
+        return
+    for inner in getattr(drafter, "drafters", [drafter]):
         if isinstance(inner, DynamicTreeDrafter):
             inner.costs_by_rows = costs
 
