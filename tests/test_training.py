@@ -383,6 +383,34 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
     assert abs(again["history"][-1]["eval/loss"] - cached_run["history"][-1]["eval/loss"]) < 2e-6
 
 
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda path: path.name
+)
+def test_every_shipped_recipe_loads(path):
+    from training.config import load_config
+
+    cfg = load_config(path)  # unknown or mistyped keys are errors
+    assert cfg.head["kind"] in ("eagle", "medusa", "early_exit")
+
+
+def test_medusa_heads_train_on_features_an_eagle_recipe_cached_over_the_same_rows(tiny_chat, tmp_path, capsys):
+    common = dict(max_steps=4, eval_every=4, save_every=4)
+    train(recipe(tiny_chat, tmp_path / "eagle", cache_features="true", **{"head.feature_layers": "[1,-1]"}, **common))
+    directories = sorted((tiny_chat / "cache").glob("features-*"))
+    assert len(directories) == 1, directories
+    medusa = {"head.kind": "medusa", "head.num_heads": 2, **common}
+    live = train(recipe(tiny_chat, tmp_path / "live", **medusa))
+    capsys.readouterr()
+    cached = train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **medusa))
+    assert sorted((tiny_chat / "cache").glob("features-*")) == directories, "no features of its own"
+    out = capsys.readouterr().out
+    assert f"from {directories[0]}, which holds [-1, 1]" in out, out
+    assert abs(live["history"][-1]["eval/loss"] - cached["history"][-1]["eval/loss"]) < 2e-6
+    # other rows (eight more, fewer held out) are not served by those features
+    train(recipe(tiny_chat, tmp_path / "more", cache_features="true", **{"data.eval_prompts": 8}, **medusa))
+    assert len(sorted((tiny_chat / "cache").glob("features-*"))) == 2
+
+
 def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny_chat, tmp_path, capsys):
     from heads import save_heads
 

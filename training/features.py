@@ -6,12 +6,14 @@ are written atomically, each with its sha256 beside it, so an interrupted run re
 and a rerun with the same target, data, layers and dtype reuses them after checking each against its digest (one
 that does not match, or has none, is computed again). They are stored in the target's dtype: a cached feature is
 exactly the one the loop would have computed. Training reads them memory-mapped, so a corpus whose features exceed
-the machine's memory trains as well as a small one.
+the machine's memory trains as well as a small one. Features of the same target, rows and dtype at more layers serve
+a recipe that needs fewer (`find_features`): an EAGLE recipe's extraction also trains Medusa heads on the same data.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from pathlib import Path
 
@@ -27,13 +29,14 @@ from .data import collate
 from .losses import target_features
 
 SHARD_SEQUENCES = 256
+ABOUT = "features.json"  # in each features directory: its layers and the digest of its target, rows and dtype
 
 
 class FeatureStore:
     """Every sequence's hidden states, read from the memory-mapped shards on demand: a corpus whose features
     exceed the machine's memory trains as well as a small one (the page cache keeps what fits)."""
 
-    def __init__(self, shards: list[Path], lengths: list[int]):
+    def __init__(self, shards: list[Path], lengths: list[int], layers=None):
         self.files = [safe_open(str(path), framework="pt") for path in shards]
         self.where = []  # row -> (shard, first token, last token + 1) within that shard
         for number in range(len(shards)):
@@ -41,7 +44,8 @@ class FeatureStore:
             for n in lengths[number * SHARD_SEQUENCES : (number + 1) * SHARD_SEQUENCES]:
                 self.where.append((number, offset, offset + n))
                 offset += n
-        self.layers = [int(name.removeprefix("layer")) for name in self.files[0].keys()] if self.files else []
+        held = [int(name.removeprefix("layer")) for name in self.files[0].keys()] if self.files else []
+        self.layers = held if layers is None else [layer for layer in held if layer in set(layers) | {-1}]
         self.nbytes = sum(path.stat().st_size for path in shards)
 
     def __len__(self) -> int:
@@ -67,16 +71,39 @@ class WithFeatures(Dataset):
         return {**self.rows[i], "features": self.store[i]}
 
 
-def features_key(fingerprint: str, rows, layers, dtype) -> str:
-    digest = hashlib.sha256(repr((fingerprint, sorted(set(layers) | {-1}), str(dtype))).encode())
+def features_key(fingerprint: str, rows, layers, dtype) -> tuple[str, str]:
+    """The name of the features of `rows` at `layers`, and the digest of their target, rows and dtype alone."""
+    named = hashlib.sha256(repr((fingerprint, sorted(set(layers) | {-1}), str(dtype))).encode())
+    content = hashlib.sha256(repr((fingerprint, str(dtype))).encode())
     for ids in rows["input_ids"]:
-        digest.update(repr(ids).encode())
-    return digest.hexdigest()[:16]
+        text = repr(ids).encode()
+        named.update(text)
+        content.update(text)
+    return named.hexdigest()[:16], content.hexdigest()
+
+
+def find_features(cache_dir: Path, fingerprint: str, rows, layers, dtype) -> tuple[Path, list[int]]:
+    """Where the features of `rows` at `layers` are kept, and the layers kept there: their own directory, unless
+    it is absent and another holds the same target's features of the same rows in the same dtype at more layers."""
+    name, content = features_key(fingerprint, rows, layers, dtype)
+    wanted = sorted(set(layers) | {-1})
+    own = cache_dir / f"features-{name}"
+    if not own.exists():
+        for about in sorted(cache_dir.glob(f"features-*/{ABOUT}")):
+            held = json.loads(about.read_text())
+            if held["content"] == content and set(wanted) <= set(held["layers"]):
+                return about.parent, held["layers"]
+    own.mkdir(parents=True, exist_ok=True)
+    (own / ABOUT).write_text(json.dumps({"layers": wanted, "content": content}))
+    return own, wanted
 
 
 @torch.no_grad()
-def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, is_main: bool = True) -> FeatureStore:
-    """Hidden states at `layers` (and -1) of every row of `rows`, computed in shards under `directory`."""
+def cache_features(
+    target, rows, layers, directory: Path, batch_size: int = 8, is_main: bool = True, serve=None
+) -> FeatureStore:
+    """Hidden states at `layers` (and -1) of every row of `rows`, computed in shards under `directory`; the store
+    serves those at `serve` (and -1) alone where given."""
     directory.mkdir(parents=True, exist_ok=True)
     kept = sorted(set(layers) | {-1})
     lengths = [len(ids) for ids in rows["input_ids"]]
@@ -104,7 +131,7 @@ def cache_features(target, rows, layers, directory: Path, batch_size: int = 8, i
             with written_atomically(digest_path(path)) as staging:  # after the shard: a digest names a whole one
                 staging.write_text(file_digest(path))
         shards.append(path)
-    return FeatureStore(shards, lengths)
+    return FeatureStore(shards, lengths, serve)
 
 
 def digest_path(shard: Path) -> Path:

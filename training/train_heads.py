@@ -53,7 +53,7 @@ from inference import load_target
 from inference.target import warn_if_slow_bfloat16
 from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets, collate
-from training.features import WithFeatures, cache_features, features_key
+from training.features import WithFeatures, cache_features, find_features
 from training.losses import eagle_loss, early_exit_loss, medusa_loss, target_features
 
 
@@ -345,12 +345,15 @@ def main(argv=None):
     rows = train_set
     if cfg.cache_features:
         started = time.perf_counter()
-        directory = (
-            Path(cfg.data.cache_dir)
-            / f"features-{features_key(fingerprint.weights_sha256, rows, layers, target.dtype)}"
-        )
         with accelerator.main_process_first():
-            store = cache_features(target, rows, layers, directory, cfg.batch_size, accelerator.is_main_process)
+            directory, held = find_features(
+                Path(cfg.data.cache_dir), fingerprint.weights_sha256, rows, layers, target.dtype
+            )
+            store = cache_features(
+                target, rows, held, directory, cfg.batch_size, accelerator.is_main_process, serve=layers
+            )
+        if held != sorted(set(layers) | {-1}):
+            accelerator.print(f"features: reading layers {list(layers)} from {directory}, which holds {held}")
         train_set = WithFeatures(rows, store)
         gib = store.nbytes / 2**30
         accelerator.print(f"features: {gib:.2f} GiB in {directory} ({time.perf_counter() - started:.0f} s)")
