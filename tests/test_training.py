@@ -358,6 +358,23 @@ def test_medusa_soft_labels_are_the_targets_distribution_for_the_same_token():
     assert abs(other_labels.item() - soft.item()) > 0.1 * soft.item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_in_blocks_equals_the_formula_and_its_gradient(dtype):
+    from training.losses import SOFT_CE_ROWS, soft_cross_entropy
+
+    torch.manual_seed(0)
+    rows = 2 * SOFT_CE_ROWS + 44  # a last block that is not full
+    logits = (3 * torch.randn(rows, 1000)).to(dtype).requires_grad_()
+    teacher = (3 * torch.randn(rows, 1000)).to(dtype)
+    blocked = soft_cross_entropy(logits, teacher)
+    (grad,) = torch.autograd.grad(2.0 * blocked, logits)
+    reference = -(torch.softmax(teacher.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+    (expected,) = torch.autograd.grad(2.0 * reference, logits)
+    torch.testing.assert_close(blocked, reference, rtol=1e-5, atol=1e-5)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, expected, rtol=0.01 if dtype == torch.bfloat16 else 1e-5, atol=1e-7)
+
+
 def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path):
     common = dict(max_steps=8, eval_every=8, save_every=8, eagle_unroll=2, **{"head.feature_layers": "[1,-1]"})
     live_run = train(recipe(tiny_chat, tmp_path / "live", **common))
