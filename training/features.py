@@ -94,7 +94,8 @@ def find_features(cache_dir: Path, fingerprint: str, rows, layers, dtype) -> tup
             if held["content"] == content and set(wanted) <= set(held["layers"]):
                 return about.parent, held["layers"]
     own.mkdir(parents=True, exist_ok=True)
-    (own / ABOUT).write_text(json.dumps({"layers": wanted, "content": content}))
+    with written_atomically(own / ABOUT) as staging:  # several processes may write it: each writes it whole
+        staging.write_text(json.dumps({"layers": wanted, "content": content}))
     return own, wanted
 
 
