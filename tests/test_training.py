@@ -410,6 +410,22 @@ def test_every_shipped_recipe_loads(path):
     assert cfg.head["kind"] in ("eagle", "medusa", "early_exit")
 
 
+def test_features_are_found_where_the_same_rows_are_kept_at_more_layers(tmp_path):
+    from training.features import ABOUT, find_features
+
+    rows, other = {"input_ids": [[1, 2, 3], [4, 5]]}, {"input_ids": [[1, 2, 3], [4, 6]]}
+    eagle, layers = find_features(tmp_path, "target", rows, [3, 15, -1], torch.bfloat16)
+    assert layers == [-1, 3, 15] and (eagle / ABOUT).is_file()
+    assert find_features(tmp_path, "target", rows, [-1], torch.bfloat16) == (eagle, [-1, 3, 15])
+    assert find_features(tmp_path, "target", rows, [-1, 3, 15], torch.bfloat16) == (eagle, [-1, 3, 15])
+    for different in [("target", other, [-1]), ("target", rows, [-1, 7]), ("another", rows, [-1])]:
+        assert find_features(tmp_path, *different, torch.bfloat16)[0] != eagle, different
+    assert find_features(tmp_path, "target", rows, [-1], torch.float32)[0] != eagle
+    (eagle / ABOUT).write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert find_features(tmp_path, "target", rows, [3], torch.bfloat16)[0] != eagle
+
+
 def test_medusa_heads_train_on_features_an_eagle_recipe_cached_over_the_same_rows(tiny_chat, tmp_path, capsys):
     common = dict(max_steps=4, eval_every=4, save_every=4)
     train(recipe(tiny_chat, tmp_path / "eagle", cache_features="true", **{"head.feature_layers": "[1,-1]"}, **common))

@@ -90,9 +90,14 @@ def find_features(cache_dir: Path, fingerprint: str, rows, layers, dtype) -> tup
     own = cache_dir / f"features-{name}"
     if not own.exists():
         for about in sorted(cache_dir.glob(f"features-*/{ABOUT}")):
-            held = json.loads(about.read_text())
-            if held["content"] == content and set(wanted) <= set(held["layers"]):
-                return about.parent, held["layers"]
+            try:
+                held = json.loads(about.read_text())
+                same, layers = held["content"] == content, [int(layer) for layer in held["layers"]]
+            except (ValueError, KeyError, TypeError) as error:
+                warnings.warn(f"{about} is unreadable ({error!r}): the features there are not reused", stacklevel=2)
+                continue
+            if same and set(wanted) <= set(layers):
+                return about.parent, layers
     own.mkdir(parents=True, exist_ok=True)
     with written_atomically(own / ABOUT) as staging:  # several processes may write it: each writes it whole
         staging.write_text(json.dumps({"layers": wanted, "content": content}))
