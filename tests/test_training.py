@@ -429,19 +429,18 @@ def test_features_are_found_where_the_same_rows_are_kept_at_more_layers(tmp_path
 def test_medusa_heads_train_on_features_an_eagle_recipe_cached_over_the_same_rows(tiny_chat, tmp_path, capsys):
     common = dict(max_steps=4, eval_every=4, save_every=4)
     train(recipe(tiny_chat, tmp_path / "eagle", cache_features="true", **{"head.feature_layers": "[1,-1]"}, **common))
-    directories = sorted((tiny_chat / "cache").glob("features-*"))
-    assert len(directories) == 1, directories
+    directories = set((tiny_chat / "cache").glob("features-*"))  # the EAGLE run's (and other tests')
     medusa = {"head.kind": "medusa", "head.num_heads": 2, **common}
     live = train(recipe(tiny_chat, tmp_path / "live", **medusa))
     capsys.readouterr()
     cached = train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **medusa))
-    assert sorted((tiny_chat / "cache").glob("features-*")) == directories, "no features of its own"
+    assert set((tiny_chat / "cache").glob("features-*")) == directories, "no features of its own"
     out = capsys.readouterr().out
-    assert f"from {directories[0]}, which holds [-1, 1]" in out, out
+    assert re.search(r"reading layers \[-1\] from \S+/features-\w+, which holds \[-1, 1\]", out), out
     assert abs(live["history"][-1]["eval/loss"] - cached["history"][-1]["eval/loss"]) < 2e-6
     # other rows (eight more, fewer held out) are not served by those features
     train(recipe(tiny_chat, tmp_path / "more", cache_features="true", **{"data.eval_prompts": 8}, **medusa))
-    assert len(sorted((tiny_chat / "cache").glob("features-*"))) == 2
+    assert len(set((tiny_chat / "cache").glob("features-*")) - directories) == 1
 
 
 def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny_chat, tmp_path, capsys):
