@@ -34,7 +34,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     """-(softmax(teacher) * log_softmax(logits)).sum(-1).mean() over rows [N, V], a block of rows at a time, its
     gradient (softmax(logits) - softmax(teacher)) / N written during the forward pass: each block is read once,
     where over whole [4,096 x 8,192] tensors each elementwise pass went through memory and the objective's softmax
-    passes took about a third of an EAGLE corpus step on a 2-core CPU."""
+    passes took about a quarter of an EAGLE corpus step on a 2-core CPU."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
