@@ -34,7 +34,7 @@ from .cache import new_cache
 from .compiled import compiled_settings, decoding_pass, is_compiled
 from .compiled_heads import warm_up
 from .doubts import Measurement, busy_elsewhere_since, doubt_about
-from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees
+from .drafters import TrainedHeads, as_drafter, drafter_class, grows_dynamic_trees, trained_head
 from .loop import decode
 from .tree import chain_inputs
 from .tree_size import DynamicTreeSpec, PassCost, calibration_batch
@@ -330,12 +330,6 @@ def grown_tree_spec(head) -> DynamicTreeSpec | None:
     """The default tree of a head whose drafter grows it a level (a head pass) at a time, so that a level's cost is
     measured too: EAGLE, early exit, sequential Medusa. None for any other head (Medusa-1 drafts in one pass)."""
     return drafter_class(head).default_tree(head) if grows_dynamic_trees(head) else None
-
-
-def trained_head(heads):
-    """The trained head among `heads` (one, or a list of drafters), or None."""
-    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
-    return next((h for h in candidates if drafter_class(h) is not None), None)
 
 
 def calibrated_widths(model, heads, *, batch: int, verbose: bool = False) -> dict[int, PassCost] | None:

@@ -24,6 +24,7 @@ from .drafters import (
     as_drafter,
     grows_dynamic_trees,
     is_trained,
+    trained_head,
 )
 from .fallback import JUDGE, Fallback
 from .loop import decode
@@ -156,7 +157,7 @@ def plan(model, heads, tree, lookup: bool | None, fallback: bool, batch: tuple[i
         )
     # measured once a machine (a line on stderr says so); python -m inference.calibrate measures ahead of time
     spec = tree if tree is not None else calibrated_tree(model, heads, batch=rows, verbose=True)
-    head = next((h for h in listed if is_trained(h)), None)
+    head = trained_head(heads)
     last_ratio = LAST_RATIO.get(head, {}).get(rows) if head is not None else None
     if batch is None:
         drafter = as_drafter(with_defaults(heads, lookup is not False), model, spec)

@@ -36,6 +36,12 @@ def is_trained(heads) -> bool:
     return drafter_class(heads) is not None
 
 
+def trained_head(heads):
+    """The trained head among `heads` (one, or a list of drafters), or None."""
+    candidates = heads if isinstance(heads, (list, tuple)) else [heads]
+    return next((h for h in candidates if is_trained(h)), None)
+
+
 def grows_dynamic_trees(heads) -> bool:
     """Whether these loaded heads grow their trees a level (a head pass) at a time, EAGLE-2's way: EAGLE, the early
     exit, sequential Medusa heads. Such a drafter weighs copied spans against its drafts in a batch (MergedDrafter),
@@ -104,4 +110,5 @@ __all__ = [
     "medusa_tree_spec",
     "root_only",
     "span_outcome",
+    "trained_head",
 ]
