@@ -30,13 +30,18 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# the suite runs in one worker a core (pytest-xdist, a test file a worker: its module fixtures are built once), then
+# the few tests that need the other cores idle, alone
+PYTEST_PARALLEL := $(BIN)/python -m pytest -q -n auto --dist loadfile
+
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(PYTEST_PARALLEL) -m "not idle"
+	$(BIN)/python -m pytest -q -m idle
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST_PARALLEL) -m "not slow and not idle"
 
 # on one GPU, about 8 minutes: benchmark runs against HF generate() (exact in float32, near-ties proven in bf16, eager,
 # compiled, batches), an 8B-shaped model, host syncs per step: docs/results/gpu-<card>.md (`--dry-run`: on the CPU)

@@ -6,8 +6,15 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# pytest-xdist (`make test` runs `pytest -n auto`): each worker gets its share of the cores, set before torch starts
+# its thread pool (and inherited by the processes tests start), or the workers' pools oversubscribe the cores
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -100,6 +100,7 @@ def test_costs_that_cannot_be_right_or_a_busy_machine_make_a_measurement_doubtfu
     assert "busy" in doubt(busy=0.9)
 
 
+@pytest.mark.idle  # `make test` runs it after the parallel workers are done
 def test_other_processes_keeping_a_core_busy_are_noticed():
     import subprocess
     import sys

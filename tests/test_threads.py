@@ -23,6 +23,7 @@ def test_twelve_threads_on_one_model_each_match_hf_greedy_alone():
         "plain": (None, None),
     }
     calls = [(name, n) for name in kinds for n in range(len(prompts))]
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # twelve threads on two cores; torch's own pool would oversubscribe them
 
     def decode(call):
@@ -34,7 +35,7 @@ def test_twelve_threads_on_one_model_each_match_hf_greedy_alone():
         with ThreadPoolExecutor(max_workers=len(calls)) as pool:
             outputs = list(pool.map(decode, calls))
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
     for (name, n), output in zip(calls, outputs):
         assert output == references[n], (name, n)
     assert model.config._attn_implementation == "sdpa" != GROUPED_SDPA  # the last call to leave switched it back
