@@ -8,7 +8,7 @@ task types nothing was tuned to, or long contexts.
     python scripts/benchmark.py --questions /tmp/unseen.jsonl --methods eagle --eagle checkpoints/... --dtype float32
 
 heldout: the first `data.eval_prompts` conversations of a corpus recipe, which it trains on none of (choose a tree
-shape on them, not on dev), or with `--source NAME --count N` a source it leaves out. unseen: six task types neither
+shape on them, not on dev), or with `--source NAME --count N` a source it leaves out. unseen: nine task types neither
 training nor dev holds, over the standard library's module docstrings (the same file every run). long: summarization
 articles packed into one prompt of about N tokens, then a request. docs/training.md has more.
 """
@@ -95,6 +95,11 @@ CATEGORIES = {
     "quiz": "Write three multiple-choice questions, each with four options and the correct answer marked, that test "
     "whether someone understood the following text.\n\n{text}",
     "short-post": "Rewrite the following text as a social media post of under 280 characters.\n\n{text}",
+    # Spec-Bench's translation, retrieval-augmented QA and closed-book QA have no counterpart in dev either
+    "translate": "Translate the following text into French.\n\n{text}",
+    "passage-qa": "Answer the question using only the text below.\n\nText: {text}\n\nQuestion: What is the {module} "
+    "module for, and what does it provide?",
+    "closed-qa": "What is Python's {module} module for? Answer in a few sentences, without code.",
 }
 MIN_CHARS, MAX_CHARS = 200, 900
 
@@ -144,7 +149,7 @@ def unseen_questions(per_category: int, seed: int = 0) -> list[dict]:
     for index, (category, request) in enumerate(CATEGORIES.items()):
         for number, (module, text) in enumerate(texts[index * per_category : (index + 1) * per_category]):
             text = with_typos(text, rng) if category == "fix-typos" else text
-            turn = request.format(text=text)
+            turn = request.format(text=text, module=module)
             questions.append({"question_id": f"{category}-{number}-{module}", "category": category, "turns": [turn]})
     return questions
 

@@ -268,9 +268,11 @@ def test_unseen_questions_are_seeded_and_put_each_text_under_one_request():
     assert [q["category"] for q in questions] == [c for c in question_files.CATEGORIES for _ in range(3)]
     modules = [q["question_id"].rsplit("-", 1)[1] for q in questions]
     assert len(set(modules)) == len(modules)  # another text for every question
-    for question in questions:
-        request = question_files.CATEGORIES[question["category"]].split("{text}")[0]
-        assert question["turns"][0].startswith(request) and len(question["turns"]) == 1
+    for question, module in zip(questions, modules):
+        request = question_files.CATEGORIES[question["category"]]
+        assert question["turns"][0].startswith(request.split("{")[0]) and len(question["turns"]) == 1
+        assert "{" not in request.replace("{text}", "").replace("{module}", "")  # every field is filled
+        assert "{module}" not in request or f" {module} " in question["turns"][0]
     typos = [q for q in questions if q["category"] == "fix-typos"]
     module = importlib.import_module(typos[0]["question_id"].rsplit("-", 1)[1])
     words = set(re.findall(r"[A-Za-z]{5,}", module.__doc__))
