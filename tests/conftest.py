@@ -9,9 +9,8 @@ from pathlib import Path
 # pytest-xdist (`make test` runs `pytest -n auto`): each worker gets its share of the cores, set before torch starts
 # its thread pool (and inherited by the processes tests start), or the workers' pools oversubscribe the cores
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # this process's
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
