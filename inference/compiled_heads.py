@@ -13,10 +13,16 @@ import torch
 from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
+from . import packed
 from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
 from .passes import export_exit_pass, export_head_pass
 from .store import weights_digest
+
+
+def draft_weights() -> str:
+    """Part of a head's package key: whether its weights were packed in int8 (inference.packed.DRAFT_WEIGHTS_INT8)."""
+    return "int8 draft weights" if packed.DRAFT_WEIGHTS_INT8 else "draft weights as they are"
 
 
 class HeadPasses(CompiledPasses):
@@ -39,7 +45,7 @@ class CompiledHead(HeadPasses):
         head = self.module
         if feature.shape[-1] != head.config.hidden_size:  # the package takes the fused feature
             if self.fuse is None and head.fuse is not None:
-                self.fuse = packed_linear(head.fuse.weight, head.fuse.bias)
+                self.fuse = packed_linear(head.fuse.weight, head.fuse.bias, draft=True)
             feature = head.fuse_features(feature, self.fuse)
         past = cache.get_seq_length() if cache is not None else 0
         if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
@@ -59,7 +65,7 @@ class CompiledHead(HeadPasses):
 
     def key_parts(self) -> list:
         head = self.module
-        return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(head)]
+        return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(head), draft_weights()]
 
     def name(self) -> str:
         return f"eagle-head-{str(self.dtype).removeprefix('torch.')}"
@@ -93,7 +99,8 @@ class CompiledEarlyExit(HeadPasses):
     def key_parts(self) -> list:
         head = self.module
         config = json.dumps(dataclasses.asdict(head.config), sort_keys=True) + head.draft.config.to_json_string()
-        return [config, weights_digest(head.draft), "adapter merged"]  # packages before the merge held it unmerged
+        # packages before the merge held the adapter unmerged
+        return [config, weights_digest(head.draft), "adapter merged", draft_weights()]
 
     def name(self) -> str:
         return f"early-exit-{str(self.dtype).removeprefix('torch.')}"

@@ -22,7 +22,7 @@ import torch
 
 from heads import DraftVocabulary
 
-from .packed import packable_rows, write_packed_rows
+from .packed import pack_weight, packable_rows, quantizes_drafts
 from .transfer import to_device
 
 ROOM = 256  # added rows a vocabulary's buffer has room for at first (it grows by a quarter and this much)
@@ -85,7 +85,7 @@ class ContextVocabulary:
         current = self.base.with_rows(self.weight, self.bias, self.ids)
         if self.packed is not None:
             packed, bias = self.packed, self.bias
-            current.projection = lambda x: torch.ops.specheads.packed_linear(x, packed, bias)
+            current.projection = lambda x: packed(x, bias)
         return current
 
     @property
@@ -111,7 +111,7 @@ class ContextVocabulary:
             if bias is not None:
                 bias[:kept] = self.base.bias if old is None else self.bias[:kept]
         self.weight, self.bias, self.ids, self.room = weight, bias, ids, room
-        self.packed = None if rows is None else torch.ops.specheads.pack_linear_weight(weight)
+        self.packed = None if rows is None else pack_weight(weight, quantizes_drafts(weight))
 
     def _add(self, tokens: np.ndarray) -> None:
         """Append the rows of `tokens` (distinct, in the order they were read) not in the vocabulary yet."""
@@ -128,7 +128,7 @@ class ContextVocabulary:
         with torch.no_grad():
             self.weight[rows] = weight[new]
             if self.packed is not None:
-                write_packed_rows(self.packed, rows, weight[new])
+                self.packed.write_rows(rows, weight[new])
             self.ids[rows] = new
             if bias is not None:
                 self.bias[rows] = bias[new]

@@ -25,12 +25,14 @@ from . import kernels
 
 # a frozen weight's product, as freezing packs it for oneDNN (a torch built without oneDNN has no such op)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+TINY = torch.finfo(torch.float32).tiny
 
 
-def packed_products(program: torch.export.ExportedProgram) -> int:
+def packed_products(program: torch.export.ExportedProgram, int8: bool = False) -> int:
     """Route `program`'s bfloat16 linear layers over its parameters through the packed kernel, in place (the ops
-    must be registered: inference.kernels.load); returns how many products it made. A layer whose weights do not
-    fit the kernel (kernels.fits_packed) stays as it is."""
+    must be registered: inference.kernels.load), their weights quantized to int8 where `int8` (a draft's: inference.
+    packed.quantize_int8, folded into the constants like the packing); returns how many products it made. A layer
+    whose weights do not fit the kernel (kernels.fits_packed) stays as it is."""
     graph = program.graph_module.graph
     parameters = set(program.graph_signature.inputs_to_parameters)
     readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # each input's layers, in the graph's order
@@ -43,12 +45,12 @@ def packed_products(program: torch.export.ExportedProgram) -> int:
         biased = [_bias(layer) is not None for layer in layers]
         groups = [layers] if all(biased) or not any(biased) else [[layer] for layer in layers]
         for group in groups:
-            products += _packed_product(graph, group)
+            products += _packed_product(graph, group, int8)
     program.graph_module.recompile()
     return products
 
 
-def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
+def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node], int8: bool) -> int:
     """One packed product for `layers` (of one input, all with a bias or none), each layer's output a slice of it;
     0 where their weights do not fit the kernel."""
     ops = torch.ops.specheads
@@ -63,8 +65,11 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
         bias = None
         if biases[0] is not None:
             bias = _call(graph, torch.ops.aten.cat.default, biases, 0) if len(layers) > 1 else biases[0]
+        scales = None
+        if int8:
+            weight, scales = _quantized(graph, weight)
         packed = _call(graph, ops.pack_linear_weight.default, weight)
-        product = _call(graph, ops.packed_linear.default, first.args[0], packed, bias)
+        product = _call(graph, ops.packed_linear.default, first.args[0], packed, bias, scales)
         start = 0
         for layer, width in zip(layers, outputs):
             out = (
@@ -78,14 +83,26 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node]) -> int:
     return 1
 
 
+def _quantized(graph: torch.fx.Graph, weight: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """Nodes computing inference.packed.quantize_int8(weight): the int8 weight and its outputs' scales."""
+    aten = torch.ops.aten
+    values = _call(graph, aten._to_copy.default, weight, dtype=torch.float32)
+    largest = _call(graph, aten.amax.default, _call(graph, aten.abs.default, values), [1])
+    scales = _call(graph, aten.div.Tensor, _call(graph, aten.clamp_min.default, largest, TINY), 127)
+    column = _call(graph, aten.unsqueeze.default, scales, 1)
+    steps = _call(graph, aten.round.default, _call(graph, aten.div.Tensor, values, column))
+    clamped = _call(graph, aten.clamp.default, steps, -127, 127)
+    return _call(graph, aten._to_copy.default, clamped, dtype=torch.int8), scales
+
+
 def _bias(layer: torch.fx.Node) -> torch.fx.Node | None:
     return layer.args[2] if len(layer.args) > 2 else layer.kwargs.get("bias")
 
 
-def _call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
     """A new node calling `target` on `args`, its value (meta["val"]) computed from theirs as tracing would."""
-    node = graph.call_function(target, args)
-    node.meta["val"] = target(*torch.fx.node.map_arg(args, _value))
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, _value), **kwargs)
     return node
 
 

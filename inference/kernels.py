@@ -112,6 +112,6 @@ def _packed_weight_like(weight):
     return weight.new_empty(columns // 64, inputs // 2, 4, 16, 2)
 
 
-def _linear_output_like(input, packed, bias):
+def _linear_output_like(input, packed, bias, scales=None):
     """packed_linear's output for tracing: the input's shape with the packed weight's outputs last."""
     return input.new_empty(*input.shape[:-1], packed.shape[0] * 64)

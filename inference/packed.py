@@ -11,6 +11,7 @@ reads a few rows' weights faster still (row X14).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +28,67 @@ def packs(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`x -> F.linear(x, weight, bias)` over the weight as it is now, packed where the CPU allows (else F.linear)."""
+# Drafts' weights (a head's layers, its draft vocabulary, the early-exit draft's layers; never the target's passes) as
+# int8 with a scale an output, where our packed kernel serves them: a draft level reads its weights back from memory
+# after every target pass, and int8 halves what it reads (docs/experiments.md, row X21). Drafts only propose: the
+# target verifies every token, so the output does not change.
+DRAFT_WEIGHTS_INT8 = True
+
+
+@dataclass
+class PackedWeight:
+    """A weight packed by `specheads::pack_linear_weight`: bfloat16, or int8 with each output's scale (float32)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.specheads.packed_linear(x, self.packed, bias, self.scales)
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows `rows` of the weight to values [n, K], in place: row r is column r % 16 of block r % 64 // 16 of
+        group r // 64, its inputs in pairs."""
+        if self.scales is not None:
+            values, self.scales[rows] = quantize_int8(values)
+        self.packed[rows // 64, :, rows % 64 // 16, rows % 16] = values.view(values.shape[0], -1, 2)
+
+    def clone(self) -> PackedWeight:
+        return PackedWeight(self.packed.clone(), None if self.scales is None else self.scales.clone())
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [N, K] as int8 [N, K] and each output's scale [N] (float32): round(w / scale), scale = max |w| / 127."""
+    weight = weight.float()
+    scales = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
+
+
+def quantizes_drafts(weight: torch.Tensor) -> bool:
+    """Whether a draft's weight like `weight` is packed in int8 (DRAFT_WEIGHTS_INT8, where our kernel packs it)."""
+    return DRAFT_WEIGHTS_INT8 and kernels.packs_products(weight.device, weight.dtype)
+
+
+def pack_weight(weight: torch.Tensor, int8: bool = False) -> PackedWeight:
+    """`weight` [N, K] packed by our kernel (kernels.fits_packed, kernels.load), in int8 where `int8`."""
+    if not int8:
+        return PackedWeight(torch.ops.specheads.pack_linear_weight(weight))
+    values, scales = quantize_int8(weight)
+    return PackedWeight(torch.ops.specheads.pack_linear_weight(values), scales)
+
+
+def packed_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, draft: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`x -> F.linear(x, weight, bias)` over the weight as it is now, packed where the CPU allows (else F.linear); a
+    `draft`'s weight in int8 where quantizes_drafts says so."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     if not packs(weight):
         return lambda x: F.linear(x, weight, bias)
     fits = kernels.fits_packed(*weight.shape)
     if fits and kernels.packs_products(weight.device, weight.dtype) and kernels.load():  # says so if it builds
-        ours = torch.ops.specheads.pack_linear_weight(weight)
-        return lambda x: torch.ops.specheads.packed_linear(x, ours, bias)
+        ours = pack_weight(weight, draft and quantizes_drafts(weight))
+        return lambda x: ours(x, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -48,9 +100,3 @@ def packable_rows(count: int, like: torch.Tensor) -> int | None:
     if like.device.type != "cpu" or not kernels.packs_products(like.device, like.dtype):
         return None
     return rows if kernels.fits_packed(rows, like.shape[1]) and kernels.load() else None
-
-
-def write_packed_rows(packed: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """Set rows `rows` of a weight packed by `specheads::pack_linear_weight` to values [n, K], in place: row r is
-    column r % 16 of block r % 64 // 16 of group r // 64, its inputs in pairs."""
-    packed[rows // 64, :, rows % 64 // 16, rows % 16] = values.view(values.shape[0], -1, 2)

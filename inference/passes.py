@@ -9,7 +9,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from heads.attention import grouped_attention
 
-from . import kernels
+from . import kernels, packed
 from .cache import PositionLayer, position_cache
 from .graph_passes import packed_products
 
@@ -178,7 +178,7 @@ def export_head_pass(head):
     auto = torch.export.Dim.AUTO
     dynamic = ({0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 2: auto, 3: auto})
     extra = ((inputs.clone(),), ({0: ROWS, 1: auto},)) if head.config.copy_input else ((), ())
-    return export_pass(HeadPass(head), example, dynamic, shapes, dtype, device, *extra)
+    return export_pass(HeadPass(head), example, dynamic, shapes, dtype, device, *extra, draft=True)
 
 
 def export_exit_pass(head):
@@ -194,7 +194,7 @@ def export_exit_pass(head):
     )
     auto = torch.export.Dim.AUTO
     dynamic = ({0: ROWS, 1: auto}, {0: ROWS, 1: auto}, {0: ROWS, 2: auto, 3: auto})
-    return export_pass(ExitPass(head), example, dynamic, shapes, dtype, device)
+    return export_pass(ExitPass(head), example, dynamic, shapes, dtype, device, draft=True)
 
 
 def cache_shapes(model) -> list[tuple[int, int]]:
@@ -212,10 +212,19 @@ def _cache_shapes(one_token_pass) -> list[tuple[int, int]]:
 
 
 def export_pass(
-    module, example: tuple, dynamic: tuple, shapes: list[tuple[int, int]], dtype, device, extra=(), extra_dynamic=()
+    module,
+    example: tuple,
+    dynamic: tuple,
+    shapes: list[tuple[int, int]],
+    dtype,
+    device,
+    extra=(),
+    extra_dynamic=(),
+    draft: bool = False,
 ):
     """torch.export of `module(*example, key_stores, value_stores, *extra)`: stores shaped like a cache of `shapes`; its
-    linear layers through our packed kernel where the CPU takes it (graph_passes.packed_products)."""
+    linear layers through our packed kernel where the CPU takes it (graph_passes.packed_products), a `draft`'s in
+    int8 where inference.packed.DRAFT_WEIGHTS_INT8 says so."""
     stores = [
         torch.zeros(EXAMPLE_ROWS, kv_heads, EXAMPLE_CAPACITY, head_dim, dtype=dtype, device=device)
         for kv_heads, head_dim in shapes
@@ -229,7 +238,7 @@ def export_pass(
             strict=False,
         )
     if kernels.packs_products(device, dtype):
-        packed_products(program)
+        packed_products(program, int8=draft and packed.DRAFT_WEIGHTS_INT8)
     return program
 
 

@@ -1,7 +1,7 @@
 """inference.kernels: the attention kernel for a few query rows over a long bfloat16 cache computes what ATen's
 scaled_dot_product_attention computes, for the shapes it takes and for those it hands to ATen; the packed linear
-layers compute what F.linear computes, and a program whose layers graph_passes.packed_products routes through them
-computes what it did before."""
+layers compute what F.linear computes (over int8 weights, what it computes over the weights they stand for), and a
+program whose layers graph_passes.packed_products routes through them computes what it did before."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from conftest import tiny_model
-from heads import DraftVocabulary, attention
-from inference import kernels
+from heads import DraftVocabulary, EagleConfig, EagleHead, attention
+from inference import kernels, packed
 from inference.context_vocab import ContextVocabulary
 from inference.graph_passes import packed_products
-from inference.passes import EXAMPLE_CAPACITY, export_decoding_pass
+from inference.packed import pack_weight, quantize_int8
+from inference.passes import EXAMPLE_CAPACITY, export_decoding_pass, export_head_pass
 
 pytestmark = pytest.mark.skipif(
     not kernels.wanted(torch.device("cpu"), torch.bfloat16), reason="the kernels need AVX512-BF16"
@@ -150,14 +151,19 @@ def test_float32_attention_goes_around_the_kernel(monkeypatch):
         ((30,), 64, 70, False),  # five tiles: each streams the whole group in turn
     ],
 )
-def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inputs, bias):
+@pytest.mark.parametrize("int8", [False, True])
+def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inputs, bias, int8):
     generator = torch.Generator().manual_seed(outputs + inputs)
     weight = torch.randn(outputs, inputs, generator=generator).bfloat16()
     x = torch.randn(*shape, inputs, generator=generator).bfloat16()
     b = torch.randn(outputs, generator=generator).bfloat16() if bias else None
-    ops = torch.ops.specheads
-    ours = ops.packed_linear(x, ops.pack_linear_weight(weight), b)
-    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    ours = pack_weight(weight, int8)(x, b)
+    exact_weight = weight.double()
+    if int8:  # what it computes: the product over the weight its int8 values and scales stand for
+        values, scales = quantize_int8(weight)
+        exact_weight = values.double() * scales.double()[:, None]
+        weight = exact_weight.bfloat16()
+    exact = F.linear(x.double(), exact_weight, None if b is None else b.double())
     eager = F.linear(x, weight, b)
     assert ours.shape == eager.shape and ours.dtype == torch.bfloat16
     # as near the exact result as oneDNN's bfloat16 product: within a rounding of the output
@@ -181,12 +187,26 @@ def test_a_weight_or_input_the_kernel_cannot_take_is_refused_saying_why(kernel):
         ops.packed_linear(
             torch.zeros(2, 30, dtype=torch.bfloat16), ops.pack_linear_weight(torch.zeros(64, 32).bfloat16()), None
         )
+    int8 = ops.pack_linear_weight(torch.zeros(64, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="int8 weight takes its outputs' scales"):
+        ops.packed_linear(torch.zeros(2, 32, dtype=torch.bfloat16), int8, None)
+    with pytest.raises(RuntimeError, match="64 contiguous float32"):
+        ops.packed_linear(torch.zeros(2, 32, dtype=torch.bfloat16), int8, None, torch.ones(64, dtype=torch.bfloat16))
 
 
-def test_a_program_through_packed_products_computes_what_it_did(kernel, monkeypatch):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_program_through_packed_products_computes_what_it_did(kernel, monkeypatch, int8):
     """A bfloat16 Llama's exported pass: queries, keys and values one product, gate and up one, the output and down
-    projections one each, a layer, and the logits' projection: the same logits and hidden states as before."""
+    projections one each, a layer, and the logits' projection: the same logits and hidden states as before (int8
+    weights, as a draft's are packed, within their rounding)."""
     model = tiny_model("llama", vocab_size=128).bfloat16()
+    if int8:  # weights that int8 values and scales hold exactly (every row's largest 127 / 1024): the same program
+        with torch.no_grad():
+            for layer in model.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    values = torch.randint(-127, 128, layer.weight.shape, generator=torch.Generator().manual_seed(7))
+                    values[:, 0] = 127
+                    layer.weight.copy_(values / 1024)
     monkeypatch.setattr(kernels, "packs_products", lambda device, dtype: False)  # exported as it is, then routed
     program = export_decoding_pass(model)
     rows, tokens, cached = 2, 3, 4
@@ -202,16 +222,20 @@ def test_a_program_through_packed_products_computes_what_it_did(kernel, monkeypa
         return program.module()(ids, positions, mask, torch.arange(tokens), keys, values)
 
     before = run()
-    assert packed_products(program) == 2 * 4 + 1
-    linear = torch.ops.aten.linear.default
-    assert not program.graph_module.graph.find_nodes(op="call_function", target=linear)
+    assert packed_products(program, int8=int8) == 2 * 4 + 1
+    graph = program.graph_module.graph
+    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    packs = graph.find_nodes(op="call_function", target=torch.ops.specheads.pack_linear_weight.default)
+    assert {node.meta["val"].dtype for node in packs} == {torch.int8 if int8 else torch.bfloat16}
     after = run()
     for old, new in zip([before[0], *before[1]], [after[0], *after[1]], strict=True):
         torch.testing.assert_close(new.float(), old.float(), atol=0.05, rtol=0.05)
 
 
-def test_a_context_vocabulary_drafts_through_one_packed_product(kernel, monkeypatch):
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_context_vocabulary_drafts_through_one_packed_product(kernel, monkeypatch, int8):
     monkeypatch.setattr(kernels, "packs_products", lambda device, dtype: True)  # whatever this CPU would choose
+    monkeypatch.setattr(packed, "DRAFT_WEIGHTS_INT8", int8)
     generator = torch.Generator().manual_seed(0)
     projection = torch.nn.Linear(32, 500, bias=True).bfloat16()
     context = ContextVocabulary(DraftVocabulary(projection, torch.arange(0, 500, 7)))  # 72 base rows
@@ -222,10 +246,30 @@ def test_a_context_vocabulary_drafts_through_one_packed_product(kernel, monkeypa
         features = torch.randn(3, 32, generator=generator).bfloat16()
         eager = F.linear(features, vocab.weight, vocab.bias)
         # the rows written into the packed buffer as they joined: as if the whole buffer were packed now
-        packed_now = torch.ops.specheads.pack_linear_weight(vocab.weight)
-        assert torch.equal(vocab.logits(features), torch.ops.specheads.packed_linear(features, packed_now, vocab.bias))
+        assert torch.equal(vocab.logits(features), pack_weight(vocab.weight, int8)(features, vocab.bias))
         assert (vocab.logits(features) - eager).abs().max() <= 0.05 * eager.abs().max()
     # kept with the base for the next sequence, or copied while this one drafts: packed as the weight is
     for fresh in (context, ContextVocabulary(context.base)):
         fresh.reset()
-        assert fresh.count == 0 and torch.equal(fresh.packed, torch.ops.specheads.pack_linear_weight(fresh.weight))
+        now = pack_weight(fresh.weight, int8)
+        assert fresh.count == 0 and torch.equal(fresh.packed.packed, now.packed)
+        assert (fresh.packed.scales is None) == (not int8)
+        assert not int8 or torch.equal(fresh.packed.scales, now.scales)
+
+
+def test_a_heads_pass_packs_its_weights_in_int8_and_the_targets_stay_bfloat16(kernel, monkeypatch):
+    """Drafts read int8 weights (inference.packed.DRAFT_WEIGHTS_INT8); the target's pass, which decides every token,
+    never does."""
+    monkeypatch.setattr(kernels, "packs_products", lambda device, dtype: True)
+    monkeypatch.setattr(packed, "DRAFT_WEIGHTS_INT8", True)
+    model = tiny_model("llama", vocab_size=128).bfloat16()
+    head = EagleHead(EagleConfig.for_target(model.config)).bfloat16().eval()
+
+    def packed_dtypes(program) -> set[torch.dtype]:
+        packs = program.graph_module.graph.find_nodes(
+            op="call_function", target=torch.ops.specheads.pack_linear_weight.default
+        )
+        return {node.meta["val"].dtype for node in packs}
+
+    assert packed_dtypes(export_head_pass(head)) == {torch.int8}
+    assert packed_dtypes(export_decoding_pass(model)) == {torch.bfloat16}

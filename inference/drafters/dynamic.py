@@ -100,7 +100,7 @@ class DynamicTreeDrafter(Drafter):
             )
         self.spec, self.context = tree or DynamicTreeSpec(), ContextVocabulary(vocab, context_vocab)
         if not (self.context.enabled and self.context.packed is not None):  # else its buffer's product serves
-            vocab.base_projection = packed_linear(vocab.weight, vocab.bias)  # its product runs every draft level
+            vocab.base_projection = packed_linear(vocab.weight, vocab.bias, draft=True)  # every draft level
         self.acceptance = acceptance  # the head's map to acceptance probabilities (inference.acceptance_map)
         k = min(self.spec.top_k, vocab.weight.shape[0])
         candidates = drafted_nodes(self.spec.depth, k)  # every level's children before the best are kept
