@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from conftest import tiny_model
 from heads import DraftVocabulary, EagleConfig, EagleHead, attention
 from inference import kernels, packed
+from inference.compiled_heads import CompiledHead
 from inference.context_vocab import ContextVocabulary
 from inference.graph_passes import packed_products
 from inference.packed import pack_weight, quantize_int8
@@ -273,3 +274,8 @@ def test_a_heads_pass_packs_its_weights_in_int8_and_the_targets_stay_bfloat16(ke
 
     assert packed_dtypes(export_head_pass(head)) == {torch.int8}
     assert packed_dtypes(export_decoding_pass(model)) == {torch.bfloat16}
+    # without int8 drafts, the head's weights stay bfloat16, in a package of their own
+    int8_package = CompiledHead(head).packages()[0][0]
+    monkeypatch.setattr(packed, "DRAFT_WEIGHTS_INT8", False)
+    assert packed_dtypes(export_head_pass(head)) == {torch.bfloat16}
+    assert CompiledHead(head).packages()[0][0] != int8_package
