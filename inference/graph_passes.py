@@ -18,6 +18,8 @@ before the add.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -25,13 +27,12 @@ from . import kernels
 
 # a frozen weight's product, as freezing packs it for oneDNN (a torch built without oneDNN has no such op)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
-TINY = torch.finfo(torch.float32).tiny
 
 
 def packed_products(program: torch.export.ExportedProgram, int8: bool = False) -> int:
     """Route `program`'s bfloat16 linear layers over its parameters through the packed kernel, in place (the ops
-    must be registered: inference.kernels.load), their weights quantized to int8 where `int8` (a draft's: inference.
-    packed.quantize_int8, folded into the constants like the packing); returns how many products it made. A layer
+    must be registered: inference.kernels.load), their weights quantized to int8 where `int8` (a draft's: `specheads::
+    quantize_int8`, folded into the constants like the packing); returns how many products it made. A layer
     whose weights do not fit the kernel (kernels.fits_packed) stays as it is."""
     graph = program.graph_module.graph
     parameters = set(program.graph_signature.inputs_to_parameters)
@@ -67,7 +68,8 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node], int8: bo
             bias = _call(graph, torch.ops.aten.cat.default, biases, 0) if len(layers) > 1 else biases[0]
         scales = None
         if int8:
-            weight, scales = _quantized(graph, weight)
+            quantized = _call(graph, ops.quantize_int8.default, weight)
+            weight, scales = (_call(graph, operator.getitem, quantized, index) for index in (0, 1))
         packed = _call(graph, ops.pack_linear_weight.default, weight)
         product = _call(graph, ops.packed_linear.default, first.args[0], packed, bias, scales)
         start = 0
@@ -81,18 +83,6 @@ def _packed_product(graph: torch.fx.Graph, layers: list[torch.fx.Node], int8: bo
             layer.replace_all_uses_with(out)
             graph.erase_node(layer)
     return 1
-
-
-def _quantized(graph: torch.fx.Graph, weight: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """Nodes computing inference.packed.quantize_int8(weight): the int8 weight and its outputs' scales."""
-    aten = torch.ops.aten
-    values = _call(graph, aten._to_copy.default, weight, dtype=torch.float32)
-    largest = _call(graph, aten.amax.default, _call(graph, aten.abs.default, values), [1])
-    scales = _call(graph, aten.div.Tensor, _call(graph, aten.clamp_min.default, largest, TINY), 127)
-    column = _call(graph, aten.unsqueeze.default, scales, 1)
-    steps = _call(graph, aten.round.default, _call(graph, aten.div.Tensor, values, column))
-    clamped = _call(graph, aten.clamp.default, steps, -127, 127)
-    return _call(graph, aten._to_copy.default, clamped, dtype=torch.int8), scales
 
 
 def _bias(layer: torch.fx.Node) -> torch.fx.Node | None:

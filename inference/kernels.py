@@ -3,8 +3,9 @@
 - decode_attention.cpp, `specheads::decode_attention`: attention of a few query rows over a long cache, which it
   reads several times faster than ATen's flash attention does (docs/experiments.md, row X9). heads.attention's
   grouped attention runs through it.
-- packed_linear.cpp, `specheads::pack_linear_weight` and `specheads::packed_linear`: linear layers over weights
-  packed once, which a pass of a few tokens reads faster than oneDNN's products do (row X14).
+- packed_linear.cpp, `specheads::pack_linear_weight`, `specheads::quantize_int8` and `specheads::packed_linear`:
+  linear layers over weights packed once (a draft's in int8), which a pass of a few tokens reads faster than
+  oneDNN's products do (row X14).
   graph_passes.packed_products puts them in the compiled passes, on CPUs without AMX tiles (with them, inductor's
   GEMM template serves every pass: inference.compiled).
 
@@ -96,6 +97,7 @@ def load(verbose: bool = True) -> bool:
             return False
         torch.library.register_fake("specheads::decode_attention")(_output_like_query)
         torch.library.register_fake("specheads::pack_linear_weight")(_packed_weight_like)
+        torch.library.register_fake("specheads::quantize_int8")(_quantized_like)
         torch.library.register_fake("specheads::packed_linear")(_linear_output_like)
         attention.use_decode_kernel(torch.ops.specheads.decode_attention.default)
         return True
@@ -110,6 +112,11 @@ def _packed_weight_like(weight):
     """pack_linear_weight's output for tracing: groups of 64 output columns, each [K/2, 4, 16, 2]."""
     columns, inputs = weight.shape
     return weight.new_empty(columns // 64, inputs // 2, 4, 16, 2)
+
+
+def _quantized_like(weight):
+    """quantize_int8's outputs for tracing: the int8 weight and each output's scale (float32)."""
+    return weight.new_empty(weight.shape, dtype=torch.int8), weight.new_empty(weight.shape[0], dtype=torch.float32)
 
 
 def _linear_output_like(input, packed, bias, scales=None):

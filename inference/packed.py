@@ -49,18 +49,11 @@ class PackedWeight:
         """Set rows `rows` of the weight to values [n, K], in place: row r is column r % 16 of block r % 64 // 16 of
         group r // 64, its inputs in pairs."""
         if self.scales is not None:
-            values, self.scales[rows] = quantize_int8(values)
+            values, self.scales[rows] = torch.ops.specheads.quantize_int8(values)
         self.packed[rows // 64, :, rows % 64 // 16, rows % 16] = values.view(values.shape[0], -1, 2)
 
     def clone(self) -> PackedWeight:
         return PackedWeight(self.packed.clone(), None if self.scales is None else self.scales.clone())
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` [N, K] as int8 [N, K] and each output's scale [N] (float32): round(w / scale), scale = max |w| / 127."""
-    weight = weight.float()
-    scales = weight.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    return (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8), scales
 
 
 def quantizes_drafts(weight: torch.Tensor) -> bool:
@@ -72,7 +65,7 @@ def pack_weight(weight: torch.Tensor, int8: bool = False) -> PackedWeight:
     """`weight` [N, K] packed by our kernel (kernels.fits_packed, kernels.load), in int8 where `int8`."""
     if not int8:
         return PackedWeight(torch.ops.specheads.pack_linear_weight(weight))
-    values, scales = quantize_int8(weight)
+    values, scales = torch.ops.specheads.quantize_int8(weight)  # [N, K] int8, each output's scale
     return PackedWeight(torch.ops.specheads.pack_linear_weight(values), scales)
 
 

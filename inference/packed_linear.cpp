@@ -1,22 +1,23 @@
-// Linear layers of a few rows over bfloat16 (or int8) weights, on a CPU with AVX512-BF16: the ops `specheads::pack_linear_weight`
-// and `specheads::packed_linear` (built and registered by inference/kernels.py; graph_passes.packed_products puts
-// them in the compiled passes). A pass over a few tokens reads every weight once: these read them faster than oneDNN's
-// products do (docs/experiments.md, row X14).
+// Linear layers of a few rows over bfloat16 (or int8) weights, on a CPU with AVX512-BF16: the ops
+// `specheads::pack_linear_weight`, `specheads::quantize_int8` and `specheads::packed_linear` (built and registered by
+// inference/kernels.py; graph_passes.packed_products puts them in the compiled passes). A pass over a few tokens reads
+// every weight once: these read them faster than oneDNN's products do (docs/experiments.md, row X14).
 //
 // The weight [N, K] is packed once (a compiled graph folds the packing into its constants) into groups of 64 output
 // columns, each group one contiguous stream [K/2][4][16][2]: a 64-byte load holds 16 columns' pairs of inputs, which
 // AVX512-BF16's dot product multiplies with an input pair broadcast, summing in fp32 (the bias, if any, first), rounded
 // to bfloat16 once at the end as oneDNN's are. Up to six rows share a tile (24 accumulators); more rows take several
 // tiles, in turn over each chunk of a group's stream, so the stream is read from memory once (docs/experiments.md X16).
-// An int8 weight (a draft's: half the bytes to read) is packed alike, converted to bfloat16 pairs as it is read, and
-// its sums scaled by each output's scale before the bias is added (docs/experiments.md X21).
-
+// An int8 weight (a draft's: half the bytes to read; quantize_int8, folded into the constants too) is packed alike,
+// converted to bfloat16 pairs as it is read, and its sums scaled by each output's scale before the bias is added
+// (docs/experiments.md X21).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -85,12 +86,21 @@ inline void tile(const uint32_t* x, int64_t ldx, const W* w, int64_t begin, int6
     }
 }
 
+// weight [N, K] as int8 [N, K] and each output's scale [N] (float32): round(w / scale), scale = max |w| / 127
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "quantize_int8 takes a weight [outputs, inputs], got ", weight.sizes());
+  const at::Tensor values = weight.to(at::kFloat);
+  const at::Tensor scales = values.abs().amax(1).clamp_min(std::numeric_limits<float>::min()) / 127;
+  return {(values / scales.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar), scales};
+}
+
 template <typename W>
 using Tile = void (*)(const uint32_t*, int64_t, const W*, int64_t, int64_t, int64_t, const float*, const float*,
                       float*, at::BFloat16*, int64_t);
 template <typename W>
 constexpr Tile<W> kTiles[] = {tile<1, W>, tile<1, W>, tile<2, W>, tile<3, W>, tile<4, W>, tile<5, W>, tile<6, W>};
-constexpr int64_t kChunk = 32;  // input pairs (8 KiB of a group's stream) every tile takes in turn
+// input pairs every tile takes in turn: 8 KiB of a group's bfloat16 stream, 4 KiB of an int8 one
+constexpr int64_t kChunk = 32;
 constexpr int64_t kChunkedTiles = 4;  // with more tiles, each streams the whole group from the cache in turn
 
 // input [..., K] times the packed weight's transpose (bfloat16, or int8 times each output's scale), plus the bias:
@@ -161,10 +171,12 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
 
 TORCH_LIBRARY_FRAGMENT(specheads, library) {
   library.def("pack_linear_weight(Tensor weight) -> Tensor");
+  library.def("quantize_int8(Tensor weight) -> (Tensor, Tensor)");
   library.def("packed_linear(Tensor input, Tensor packed, Tensor? bias, Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specheads, CPU, library) {
   library.impl("pack_linear_weight", &pack_linear_weight);
+  library.impl("quantize_int8", &quantize_int8);
   library.impl("packed_linear", &packed_linear);
 }

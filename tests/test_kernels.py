@@ -16,7 +16,7 @@ from inference import kernels, packed
 from inference.compiled_heads import CompiledHead
 from inference.context_vocab import ContextVocabulary
 from inference.graph_passes import packed_products
-from inference.packed import pack_weight, quantize_int8
+from inference.packed import pack_weight
 from inference.passes import EXAMPLE_CAPACITY, export_decoding_pass, export_head_pass
 
 pytestmark = pytest.mark.skipif(
@@ -161,8 +161,11 @@ def test_packed_linear_computes_what_linear_computes(kernel, shape, outputs, inp
     ours = pack_weight(weight, int8)(x, b)
     exact_weight = weight.double()
     if int8:  # what it computes: the product over the weight its int8 values and scales stand for
-        values, scales = quantize_int8(weight)
+        values, scales = torch.ops.specheads.quantize_int8(weight)
         exact_weight = values.double() * scales.double()[:, None]
+        # each output's largest weight maps to +-127, every weight within half a step (and rounding) of its value
+        assert values.dtype == torch.int8 and (values.abs().amax(1) == 127).all()
+        assert ((exact_weight - weight.double()).abs() <= scales.double()[:, None] / 2 * (1 + 1e-4)).all()
         weight = exact_weight.bfloat16()
     exact = F.linear(x.double(), exact_weight, None if b is None else b.double())
     eager = F.linear(x, weight, b)
