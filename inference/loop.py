@@ -27,7 +27,7 @@ import torch
 
 from heads.eagle import causal_mask
 
-from .accept import Sampling, accept, accept_chosen, greedy_tokens, target_tokens
+from .accept import Sampling, accept, accept_chosen, greedy_path, greedy_tokens, target_tokens
 from .cache import append_rows, keep_new_entries, keep_paths, keep_rows, new_cache
 from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
 from .drafters import Drafter, NoDrafter, drafter_name
@@ -467,8 +467,14 @@ def accept_step(
         return accept_roots_greedy(state, greedy[:, 0], out, drafting, checks)
     if trees is None:  # each row's root alone, some rows sampling
         trees = [Tree.chain(row.text[row.length - 1 : row.length]) for row in rows]
+    # a greedy row's tree built on the host is accepted there (greedy_path), from the target's token at every node
+    on_host = [row.sampling.greedy and tree.host is not None for row, tree in zip(rows, trees)]
     outcomes, reads = [], []
     for slot, (row, tree) in enumerate(zip(rows, trees)):
+        if on_host[slot]:
+            outcomes.append(None)
+            reads.append(greedy[slot, : tree.size])
+            continue
         if row.sampling.greedy:
             order, deepest, new = accept_chosen(tree, greedy[slot, : tree.size])
         else:
@@ -478,7 +484,17 @@ def accept_step(
         reads += [torch.stack([tree.depth[deepest], deepest]), new[: tree.max_depth + 1]]
     values = torch.cat(reads + [check.problems.long() for check in checks]).tolist()
     at, depths, deepest, news = 0, [], [], []
-    for tree in trees:
+    for slot, tree in enumerate(trees):
+        if on_host[slot]:
+            chosen = values[at : at + tree.size]
+            path = greedy_path(*tree.host, chosen)
+            depths.append(len(path) - 1)
+            deepest.append(path[-1])
+            news.append([chosen[node] for node in path])  # each accepted draft is the target's token at its parent
+            both = to_device(path + news[-1], tree.tokens.device)  # the path's nodes and the new tokens
+            outcomes[slot] = (both[: len(path)], both[len(path) :])
+            at += tree.size
+            continue
         depths.append(values[at])
         deepest.append(values[at + 1])
         news.append(values[at + 2 : at + tree.max_depth + 3])

@@ -87,13 +87,12 @@ class Tree:
                 f"parents {list(parents[:32])} are not a tree: node 0 must be the root (parent -1) and every other "
                 "node's parent must come before it"
             )
-        depth, ancestors = [0], [[0]]
+        depth, ancestors = [0], [[True] + [False] * (len(parents) - 1)]
         for node, parent in enumerate(parents[1:], start=1):
             depth.append(depth[parent] + 1)
-            ancestors.append(ancestors[parent] + [node])
-        matrix = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-        for node, row in enumerate(ancestors):
-            matrix[node, row] = True
+            ancestors.append(ancestors[parent].copy())  # its parent's ancestors, and itself
+            ancestors[node][node] = True
+        matrix = torch.tensor(ancestors, dtype=torch.bool)  # one call: a row at a time cost a few µs a node
         uploaded = functools.partial(to_device, device=device)
         tree = cls(uploaded(tokens), uploaded(parents), uploaded(depth), uploaded(matrix, dtype=torch.bool), max(depth))
         object.__setattr__(tree, "host", (tokens, parents))  # frozen: set once, here

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from inference.accept import Sampling, accepted_path, target_probabilities, target_tokens
+from inference.accept import Sampling, accepted_path, greedy_path, target_probabilities, target_tokens
 from inference.tree import Tree
 
 
@@ -27,6 +27,26 @@ def test_chain_accepts_a_prefix():
     tree = Tree.chain(torch.tensor([1, 2, 3, 4]))
     assert accepted_path(tree, torch.tensor([2, 3, 9, 9])).tolist() == [0, 1, 2]
     assert accepted_path(tree, torch.tensor([2, 3, 4, 5])).tolist() == [0, 1, 2, 3]
+
+
+def test_the_host_path_is_the_device_path_on_trees_with_distinct_siblings():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        size = int(torch.randint(1, 16, (1,), generator=generator))
+        parents, tokens, seen = [-1], [9], set()
+        for _ in range(1, size):  # tokens from a small vocabulary, so that paths often agree; siblings distinct
+            parent = int(torch.randint(0, len(tokens), (1,), generator=generator))
+            token = int(torch.randint(0, 4, (1,), generator=generator))
+            if (parent, token) not in seen:
+                seen.add((parent, token))
+                parents.append(parent)
+                tokens.append(token)
+        chosen = torch.randint(0, 4, (len(tokens),), generator=generator)
+        tree = Tree.from_lists(tokens, parents)
+        assert greedy_path(tree.host[0], tree.host[1], chosen.tolist()) == accepted_path(tree, chosen).tolist(), trial
+    tree = tree_abc()
+    assert greedy_path(tree.tokens.tolist(), tree.parents.tolist(), [6, 0, 8, 0, 1]) == [0, 2, 4]
+    assert greedy_path(tree.tokens.tolist(), tree.parents.tolist(), [4, 7, 8, 0, 0]) == [0]
 
 
 def test_greedy_picks_argmax_and_sampling_is_seeded():
