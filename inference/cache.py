@@ -128,6 +128,7 @@ class SharedBuffers:
         self.layers: list[PositionLayer] = []
         self.tensor: torch.Tensor | None = None
         self._views = None  # (tensor, rows, each layer's (keys, values) first rows): what `stores` gave last
+        self._narrowed = None  # (rows, length, every layer's keys and values): what `narrow` set last
 
     def grow(self, like: torch.Tensor, length: int) -> None:
         """Buffers with room for `length` entries of `like`'s rows for every layer, each layer's used entries copied
@@ -162,6 +163,8 @@ class SharedBuffers:
             views = [(tensor[2 * index, :rows], tensor[2 * index + 1, :rows]) for index in range(len(self.layers))]
             self._views = (tensor, rows, views)
         views = self._views[2]
+        if self.narrowed() == (rows, used):  # every layer's entries are the views `narrow` made: no need to look
+            return views
         for layer, (keys, values) in zip(self.layers, views, strict=True):
             entries = layer.keys
             if entries.data_ptr() != keys.data_ptr() or layer.values.data_ptr() != values.data_ptr():
@@ -172,8 +175,29 @@ class SharedBuffers:
 
     def extend(self, views: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
         """Every layer takes in the entries a pass wrote into `views` (from `stores`), up to `length`."""
-        for layer, (keys, values) in zip(self.layers, views, strict=True):
-            layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+        self.narrow(views[0][0].shape[0], length)
+
+    def narrow(self, rows: int, length: int) -> None:
+        """Every layer's entries become the buffers' first `rows` rows and `length` entries: one view of all of them,
+        unbound (a slice a layer cost three times as much, twice a step)."""
+        parts = self.tensor[:, :rows, :, :length].unbind(0)
+        for index, layer in enumerate(self.layers):
+            layer.keys, layer.values = parts[2 * index], parts[2 * index + 1]
+        self._narrowed = (rows, length, parts)
+
+    def narrowed(self) -> tuple[int, int] | None:
+        """(rows, entries) where every layer's entries are still the views `narrow` gave them, else None: whatever
+        replaced a layer's entries since (an update, keep_rows) replaced the tensor objects, which this compares."""
+        if self._narrowed is None:
+            return None
+        rows, length, parts = self._narrowed
+        layers = self.layers
+        if len(parts) != 2 * len(layers) or not all(
+            layer.keys is parts[2 * index] and layer.values is parts[2 * index + 1]
+            for index, layer in enumerate(layers)
+        ):
+            return None
+        return rows, length
 
     def used(self) -> torch.Tensor | None:
         """The used part of every layer's entries as one view [2 * layers, rows, heads, used, dim], or None where
@@ -208,7 +232,24 @@ def position_cache(layers: int | None = None) -> Cache:
         return Cache(layer_class_to_replicate=PositionLayer)
     shared = SharedBuffers()
     shared.layers = [PositionLayer(shared) for _ in range(layers)]
-    return Cache(layers=shared.layers)
+    return PositionCache(shared)
+
+
+class PositionCache(Cache):
+    """A Cache of PositionLayers whose buffers are one allocation (SharedBuffers): a crop narrows every layer's
+    entries at once where they are all the shared buffers' views."""
+
+    def __init__(self, shared: SharedBuffers):
+        super().__init__(layers=shared.layers)
+        self.shared = shared
+
+    def crop(self, tokens_to_remove: int) -> None:
+        narrowed = self.shared.narrowed()
+        if narrowed is None or tokens_to_remove >= 0:  # Cache.crop says what a positive count means
+            super().crop(tokens_to_remove)
+            return
+        rows, length = narrowed
+        self.shared.narrow(rows, max(length + tokens_to_remove, 0))
 
 
 def new_cache(model) -> Cache:

@@ -210,3 +210,29 @@ def test_a_pass_takes_every_layers_stores_at_once_while_they_lie_in_the_shared_b
     layer = cache.layers[1]
     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # off its buffer
     assert shared.stores(2, 6, 7) is None
+
+
+def test_a_crop_narrows_every_layer_at_once_while_they_are_the_shared_buffers_views():
+    """PositionCache.crop: one view of every layer's entries where each layer's are still what SharedBuffers.narrow
+    made them; layer by layer (Cache.crop) once any layer's were replaced."""
+    cache = position_cache(3)
+    for layer in range(3):
+        cache.update(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4), layer)
+    shared = cache.layers[0].shared
+    assert shared.narrowed() is None  # the layers' own updates made their entries
+    shared.extend(shared.stores(2, 5, 6), 6)
+    assert shared.narrowed() == (2, 6) and shared.stores(2, 6, 7) is not None
+    kept = [(layer.keys[:, :, :4].clone(), layer.values[:, :, :4].clone()) for layer in cache.layers]
+    cache.crop(-2)
+    assert shared.narrowed() == (2, 4) and cache.get_seq_length() == 4
+    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, kept)):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert layer.keys.data_ptr() == shared.tensor[2 * index].data_ptr() and layer.keys.shape == (2, 2, 4, 4)
+    assert shared.stores(2, 5, 6) is None  # they hold 4 entries now
+    layer = cache.layers[1]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # off the buffers
+    assert shared.narrowed() is None and shared.stores(2, 4, 5) is None
+    cache.crop(-1)
+    assert all(layer.keys.shape[-2] == 3 for layer in cache.layers) and torch.equal(
+        cache.layers[1].keys, kept[1][0][:, :, :3]
+    )
