@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import NO_COPY, EagleConfig, EagleHead, copy_embedding, copy_tokens
+from heads import NO_COPY, DraftVocabulary, EagleConfig, EagleHead, copy_embedding, copy_tokens
 from inference import DynamicTreeSpec, EagleDrafter, Tree, generate
 from inference.bigrams import BigramTable, RowBigrams, bigram_table, draft_copies
+from inference.drafters.draft_nodes import DraftNodes
+from inference.drafters.dynamic import drafted_nodes
 
 
 def recompute(head, model, tokens, draft_tokens, skipped=0):
@@ -367,3 +369,21 @@ def test_a_batch_learns_how_often_the_tokens_a_span_adds_are_right():
         RELIABILITY_DECAY * SPAN_PRIOR[1] + tried,
     ]
     assert merged.span_rates[1] == {}
+
+
+def test_draft_nodes_keep_the_depths_and_ancestors_their_parents_make():
+    """DraftNodes.add_children's bookkeeping, two rows grown three levels (k = 2, two frontier nodes a level):
+    each row's depths and ancestor matrix are those Tree.from_parents works out from its parents."""
+    vocab = DraftVocabulary(torch.nn.Linear(8, 50, bias=False))
+    nodes = DraftNodes(torch.tensor([3, 4]), drafted_nodes(3, 2), vocab)
+    generator = torch.Generator().manual_seed(0)
+    frontier = torch.zeros(2, 1, dtype=torch.long)
+    for _ in range(3):
+        shape = (2, frontier.shape[1], 2)
+        top = torch.rand(shape, generator=generator).log(), torch.randint(50, shape, generator=generator)
+        children = nodes.add_children(frontier, top)
+        frontier = children[:, [0, -1]]  # a first and a last child grow on
+    assert nodes.count == drafted_nodes(3, 2)
+    for row in range(2):
+        tree = Tree.from_parents(nodes.tokens[row], nodes.parents[row])
+        assert torch.equal(nodes.ancestors[row], tree.ancestors) and torch.equal(nodes.depth, tree.depth)

@@ -31,15 +31,11 @@ class DraftNodes:
         self.depth = torch.empty(capacity, dtype=torch.long, device=device)
         # the path's log-probability: the sum of its drafts' (mapped by `acceptance`: inference.acceptance_map)
         self.scores = torch.empty(rows, capacity, dtype=torch.float32, device=device)
+        # each node its own ancestor from the start: a child's row is then its parent's row or'ed in (add_children)
         self.ancestors = torch.zeros(rows, capacity, capacity, dtype=torch.bool, device=device)
+        self.ancestors.diagonal(dim1=1, dim2=2).fill_(True)
         self.index = torch.arange(capacity, device=device)
-        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0], self.ancestors[:, 0, 0] = (
-            roots,
-            -1,
-            0,
-            0.0,
-            True,
-        )
+        self.tokens[:, 0], self.parents[:, 0], self.depth[0], self.scores[:, 0] = roots, -1, 0, 0.0
 
     def add_children(self, frontier: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each frontier node's k likeliest children (frontier [rows, F]; top: their log-probabilities and draft
@@ -50,14 +46,13 @@ class DraftNodes:
         rows, k = frontier.shape[0], indices.shape[-1]
         width = frontier.shape[1] * k
         new = slice(self.count, self.count + width)
-        parents = frontier[..., None].expand(-1, -1, k).reshape(rows, width)
+        parents = frontier.repeat_interleave(k, dim=1)
         self.tokens[:, new] = self.vocab.to_target(indices).view(rows, width)
         self.parents[:, new] = parents
         self.depth[new] = self.level + 1  # a level at a time: children are one deeper
         local = values if self.acceptance is None else acceptance_log_probs(values, self.acceptance)
         self.scores[:, new] = (self.scores.gather(1, frontier)[..., None] + local).view(rows, width)
-        self.ancestors[:, new] = self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
-        self.ancestors[:, new, new].diagonal(dim1=1, dim2=2).fill_(True)
+        self.ancestors[:, new] |= self.ancestors.gather(1, parents[..., None].expand(-1, -1, self.ancestors.shape[2]))
         self.count, self.level = self.count + width, self.level + 1
         if self.paths is not None:
             self.paths[:, new] = self.paths.gather(1, parents[..., None].expand(-1, -1, self.paths.shape[2]))
