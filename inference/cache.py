@@ -138,7 +138,7 @@ class SharedBuffers:
             return
         rows = max([like.shape[0]] + [layer.keys.shape[0] for layer in layers])
         capacity = length + max(256, length // 2)
-        self._views = None  # views of the old buffers: they would keep them alive till the next pass
+        self._views = self._narrowed = None  # views of the old buffers: they would keep them alive till the next pass
         self.tensor = like.new_empty(2 * len(self.layers), rows, *like.shape[1:-2], capacity, like.shape[-1])
         for index, layer in enumerate(self.layers):
             keys, values = self.tensor[2 * index], self.tensor[2 * index + 1]
