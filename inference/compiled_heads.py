@@ -16,7 +16,7 @@ from heads.eagle import causal_mask
 from . import packed
 from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
-from .passes import export_exit_pass, export_head_pass
+from .passes import export_exit_pass, export_fuse_pass, export_head_pass
 from .store import weights_digest
 
 
@@ -34,19 +34,39 @@ class HeadPasses(CompiledPasses):
         return template_serves_every_pass(self.dtype)
 
 
-class CompiledHead(HeadPasses):
+class EaglePasses(HeadPasses):
+    """Packages made from an EAGLE head: keyed by its config and weights."""
+
+    def key_parts(self) -> list:
+        head = self.module
+        return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(head), draft_weights()]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
+
+
+class CompiledHead(EaglePasses):
     """Calls an EAGLE head like the head itself, through a compiled package: its passes over the committed tokens
-    and over each draft level (eager, one decoder layer's pass is mostly overhead between small kernels)."""
+    and over each draft level (eager, one decoder layer's pass is mostly overhead between small kernels); an
+    EAGLE-3 head's feature fusion through a package of its own (`CompiledFusion`)."""
 
     what = "the EAGLE head's pass"
-    fuse = None  # the head's feature fusion, its weight packed (inference.packed) at its first use
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.fusion = CompiledFusion(module) if module.fuse is not None else None
+
+    def ready(self, verbose: bool = True, recheck: bool = False) -> bool:
+        ready = super().ready(verbose, recheck)
+        if ready and self.fusion is not None:
+            self.fusion.ready(verbose, recheck)  # where it does not compile, the fusion runs eagerly
+        return ready
 
     def __call__(self, feature, token_embedding, copy_embedding=None, *, position_ids, attention_mask=None, cache=None):
         head = self.module
-        if feature.shape[-1] != head.config.hidden_size:  # the package takes the fused feature
-            if self.fuse is None and head.fuse is not None:
-                self.fuse = packed_linear(head.fuse.weight, head.fuse.bias, draft=True)
-            feature = head.fuse_features(feature, self.fuse)
+        if self.fusion is not None and feature.shape[-1] != head.config.hidden_size:  # the package takes it fused
+            feature = self.fusion(feature)
         past = cache.get_seq_length() if cache is not None else 0
         if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
             return head(
@@ -63,19 +83,38 @@ class CompiledHead(HeadPasses):
         extra = [copy_embedding] if copy_embedding is not None else []
         return self._run_with_cache(cache, [feature, token_embedding, position_ids, attention_mask], extra)[0]
 
-    def key_parts(self) -> list:
-        head = self.module
-        return [json.dumps(dataclasses.asdict(head.config), sort_keys=True), weights_digest(head), draft_weights()]
-
     def name(self) -> str:
         return f"eagle-head-{str(self.dtype).removeprefix('torch.')}"
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.module.parameters()).dtype
-
     def export(self):
         return export_head_pass(self.module)
+
+
+class CompiledFusion(EaglePasses):
+    """An EAGLE-3 head's feature fusion through a package: the target's hidden states at its feature layers
+    [rows, T, n * H] -> the head's input feature [rows, T, H]; eagerly (its weight packed: inference.packed) where
+    the package is not had. Its norms, concatenation and product cost 0.4 ms a step eagerly after a target pass has
+    streamed the weights out of the caches (docs/experiments.md, row X23)."""
+
+    what = "the EAGLE head's feature fusion"
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.eager = None  # the fusion with its weight packed, at its first eager use
+
+    def __call__(self, features):
+        if self.ready():
+            return self.runner(features.contiguous(), [], [])[0]
+        if self.eager is None:
+            fuse = self.module.fuse
+            self.eager = packed_linear(fuse.weight, fuse.bias, draft=True)
+        return self.module.fuse_features(features, self.eager)
+
+    def name(self) -> str:
+        return f"eagle-fusion-{str(self.dtype).removeprefix('torch.')}"
+
+    def export(self):
+        return export_fuse_pass(self.module)
 
 
 class CompiledEarlyExit(HeadPasses):

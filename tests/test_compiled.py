@@ -85,12 +85,15 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     exit_head = early_exit(model)
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
     shapes = recorded_shapes(decoding_pass(model), monkeypatch)
-    head_shapes = {}
+    head_shapes, fusion_shapes = {}, {}
     for head in (eagle, eagle3, exit_head):  # the heads' passes compile with the target's
         kind = compiled_heads.CompiledEarlyExit if head is exit_head else compiled_heads.CompiledHead
         passes = compiled_heads.compiled_head(head, model, kind)
         assert passes is not head and passes.ready(verbose=False)
         head_shapes[head] = recorded_shapes(passes, monkeypatch)
+        if head is not exit_head:  # and an EAGLE head's feature fusion through its own package
+            assert passes.fusion.runner is not None
+            fusion_shapes[head] = recorded_shapes(passes.fusion, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
@@ -111,6 +114,8 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     assert prompts <= widths, "every prompt was prefilled through the compiled pass"
     for head, calls in head_shapes.items():  # committed tokens read (1 a step or more) and draft levels (top_k wide)
         assert {shape[1] for shape in calls} >= {1, 3 if head is eagle else 2}, calls
+    for calls in fusion_shapes.values():  # every committed read's features, the prompts' included
+        assert 1 in {shape[1] for shape in calls} and prompts <= {shape[1] for shape in calls}, calls
 
 
 def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_through_the_other(
