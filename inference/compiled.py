@@ -121,10 +121,12 @@ class CompiledPasses:
         cached, device = cache.get_seq_length(), inputs[0].device
         if cached == 0:  # a prompt's pass (the target's only): stores shaped as its cache
             if self.cache_shapes is None:
-                self.cache_shapes = cache_shapes(self.module)
+                self.cache_shapes = self.layer_shapes()
+            missing = len(self.cache_shapes) - len(cache.layers)
+            if missing > 0:  # a cache that adds its layers as a model first writes to them (cache.position_cache)
+                cache.layers.extend(cache.layer_class_to_replicate() for _ in range(missing))
             likes = [
-                torch.empty(rows, heads, 0, dim, dtype=self.module.dtype, device=device)
-                for heads, dim in self.cache_shapes
+                torch.empty(rows, heads, 0, dim, dtype=self.dtype, device=device) for heads, dim in self.cache_shapes
             ]
         else:
             likes = [layer.keys for layer in cache.layers]
@@ -159,6 +161,14 @@ class CompiledPasses:
                 if self.runner is None and self.failed is None:
                     self._prepare(verbose)
         return self.runner is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module.dtype
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(kv_heads, head_dim) of each layer of the cache the passes take (for a prompt's pass, its cache empty)."""
+        return cache_shapes(self.module)
 
     def key_parts(self) -> list:
         """What a package of these passes depends on, besides the options, the machine and the libraries."""

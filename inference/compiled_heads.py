@@ -1,6 +1,7 @@
 """The heads' draft passes compiled like the target's (inference.compiled): an EAGLE head's (`HeadPass`) and the
-early-exit draft's (`ExitPass`, both in inference.passes), over the committed tokens and each draft level. A drafter
-calls `compiled_head`, which gives the compiled passes when the target's are compiled, else the head itself."""
+early-exit draft's (`ExitPass`, both in inference.passes), over the committed tokens (a prompt's first read too) and
+each draft level. A drafter calls `compiled_head`, which gives the compiled passes when the target's are compiled, else
+the head itself."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from heads import EagleHead, EarlyExitHead
 from heads.eagle import causal_mask
 
 from . import packed
-from .compiled import PASSES, CompiledPasses, is_compiled, template_serves_every_pass
+from .compiled import COMPILED_PREFILL_TOKENS, PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
-from .passes import export_exit_pass, export_fuse_pass, export_head_pass
+from .passes import exit_cache_shapes, export_exit_pass, export_fuse_pass, export_head_pass, head_cache_shapes
 from .store import weights_digest
 
 
@@ -32,6 +33,14 @@ class HeadPasses(CompiledPasses):
     @property
     def gemm_template(self) -> bool:
         return template_serves_every_pass(self.dtype)
+
+    def compiles(self, new: int, cache) -> bool:
+        """Whether a pass of `new` tokens over `cache` runs through the package: every pass with a cache, a prompt's
+        first read (its cache empty) of at most COMPILED_PREFILL_TOKENS (its mask would hold its length squared), as
+        the target's prefill."""
+        if cache is None or (new > COMPILED_PREFILL_TOKENS and cache.get_seq_length() == 0):
+            return False
+        return self.ready()
 
 
 class EaglePasses(HeadPasses):
@@ -67,8 +76,7 @@ class CompiledHead(EaglePasses):
         head = self.module
         if self.fusion is not None and feature.shape[-1] != head.config.hidden_size:  # the package takes it fused
             feature = self.fusion(feature)
-        past = cache.get_seq_length() if cache is not None else 0
-        if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
+        if not self.compiles(feature.shape[1], cache):
             return head(
                 feature,
                 token_embedding,
@@ -79,12 +87,16 @@ class CompiledHead(EaglePasses):
             )
         rows, new = feature.shape[:2]
         if attention_mask is None:  # the rows aligned: causal
+            past = cache.get_seq_length()
             attention_mask = causal_mask(new, past, feature.dtype, feature.device).expand(rows, -1, -1, -1)
         extra = [copy_embedding] if copy_embedding is not None else []
         return self._run_with_cache(cache, [feature, token_embedding, position_ids, attention_mask], extra)[0]
 
     def name(self) -> str:
         return f"eagle-head-{str(self.dtype).removeprefix('torch.')}"
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        return head_cache_shapes(self.module)
 
     def export(self):
         return export_head_pass(self.module)
@@ -126,13 +138,12 @@ class CompiledEarlyExit(HeadPasses):
 
     def __call__(self, input_ids, *, position_ids, attention_mask=None, cache=None):
         head = self.module
-        past = cache.get_seq_length() if cache is not None else 0
-        if past == 0 or not self.ready():  # a prompt's first read (one a sequence) runs eagerly
+        if not self.compiles(input_ids.shape[1], cache):
             return head(input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache)
         rows, new = input_ids.shape
-        dtype = head.draft.dtype
         if attention_mask is None:  # the rows aligned: causal
-            attention_mask = causal_mask(new, past, dtype, input_ids.device).expand(rows, -1, -1, -1)
+            past = cache.get_seq_length()
+            attention_mask = causal_mask(new, past, self.dtype, input_ids.device).expand(rows, -1, -1, -1)
         return self._run_with_cache(cache, [input_ids, position_ids, attention_mask])[0]
 
     def key_parts(self) -> list:
@@ -143,6 +154,9 @@ class CompiledEarlyExit(HeadPasses):
 
     def name(self) -> str:
         return f"early-exit-{str(self.dtype).removeprefix('torch.')}"
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        return exit_cache_shapes(self.module)
 
     @property
     def dtype(self) -> torch.dtype:

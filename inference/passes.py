@@ -176,10 +176,7 @@ def export_head_pass(head):
     """An EAGLE head's HeadPass as torch.export's program, every size dynamic."""
     weight = next(head.parameters())
     dtype, device, hidden = weight.dtype, weight.device, head.config.hidden_size
-    one = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # a one-token pass shows the cache's shapes
-    position = torch.zeros(1, 1, dtype=torch.long, device=device)
-    copy = one if head.config.copy_input else None
-    shapes = _cache_shapes(lambda cache: head(one, one, copy, position_ids=position, cache=cache))
+    shapes = head_cache_shapes(head)
     rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
     inputs = torch.zeros(rows, tokens, hidden, dtype=dtype, device=device)
     example = (
@@ -206,8 +203,7 @@ def export_fuse_pass(head):
 def export_exit_pass(head):
     """The early-exit draft's ExitPass as torch.export's program, every size dynamic."""
     dtype, device = head.draft.dtype, head.draft.device
-    one = torch.zeros(1, 1, dtype=torch.long, device=device)  # a one-token pass shows the cache's shapes
-    shapes = _cache_shapes(lambda cache: head(one, position_ids=one, cache=cache))
+    shapes = exit_cache_shapes(head)
     rows, tokens, cached = EXAMPLE_ROWS, EXAMPLE_TOKENS, EXAMPLE_CACHED
     example = (
         torch.zeros(rows, tokens, dtype=torch.long, device=device),
@@ -223,6 +219,21 @@ def cache_shapes(model) -> list[tuple[int, int]]:
     """(kv_heads, head_dim) of each layer of `model`'s cache."""
     one = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     return _cache_shapes(lambda cache: model(input_ids=one, cache=cache, use_cache=True))
+
+
+def head_cache_shapes(head) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each layer of an EAGLE head's cache."""
+    weight = next(head.parameters())
+    one = torch.zeros(1, 1, head.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    position = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
+    copy = one if head.config.copy_input else None
+    return _cache_shapes(lambda cache: head(one, one, copy, position_ids=position, cache=cache))
+
+
+def exit_cache_shapes(head) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each layer of an early-exit draft's cache."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=head.draft.device)
+    return _cache_shapes(lambda cache: head(one, position_ids=one, cache=cache))
 
 
 def _cache_shapes(one_token_pass) -> list[tuple[int, int]]:

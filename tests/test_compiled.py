@@ -114,6 +114,9 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
     assert prompts <= widths, "every prompt was prefilled through the compiled pass"
     for head, calls in head_shapes.items():  # committed tokens read (1 a step or more) and draft levels (top_k wide)
         assert {shape[1] for shape in calls} >= {1, 3 if head is eagle else 2}, calls
+        # and every prompt's first read: an EAGLE head's n pairs, the early exit's n tokens and the first new one
+        first_reads = {n + 1 for n in prompts} if head is exit_head else prompts
+        assert first_reads <= {shape[1] for shape in calls}, calls
     for calls in fusion_shapes.values():  # every committed read's features, the prompts' included
         assert 1 in {shape[1] for shape in calls} and prompts <= {shape[1] for shape in calls}, calls
 
