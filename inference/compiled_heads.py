@@ -178,7 +178,8 @@ def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
 
 def head_passes(heads, model) -> list[CompiledPasses]:
     """The compiled passes of the heads among `heads` (as generate() takes them: a head, a drafter, or a list) that
-    draft through passes of their own: EAGLE heads and early exits. Empty unless `model`'s passes are compiled."""
+    draft through passes of their own: EAGLE heads (and their feature fusions) and early exits. Empty unless
+    `model`'s passes are compiled."""
     if not is_compiled(model):
         return []
     found = []
@@ -189,6 +190,10 @@ def head_passes(heads, model) -> list[CompiledPasses]:
             found.append(compiled_head(head, model, CompiledEarlyExit))
         elif isinstance(getattr(head, "run_head", None), CompiledPasses):  # a drafter built on one
             found.append(head.run_head)
+        else:
+            continue
+        if getattr(found[-1], "fusion", None) is not None:
+            found.append(found[-1].fusion)
     return found
 
 

@@ -93,6 +93,7 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
         head_shapes[head] = recorded_shapes(passes, monkeypatch)
         if head is not exit_head:  # and an EAGLE head's feature fusion through its own package
             assert passes.fusion.runner is not None
+            assert compiled_heads.head_passes(head, model) == [passes, passes.fusion]  # what warm_up and the CLI see
             fusion_shapes[head] = recorded_shapes(passes.fusion, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
