@@ -119,7 +119,7 @@ class CompiledPasses:
         at most NARROW_TOKENS tokens in all; the pass writes its new entries into the cache's buffers in place."""
         rows, new = inputs[0].shape[:2]
         cached, device = cache.get_seq_length(), inputs[0].device
-        if cached == 0:  # a prompt's pass (the target's only): stores shaped as its cache
+        if cached == 0:  # a prompt's pass (the target's prefill, a head's first read): stores shaped as its cache
             if self.cache_shapes is None:
                 self.cache_shapes = self.layer_shapes()
             missing = len(self.cache_shapes) - len(cache.layers)
