@@ -24,7 +24,7 @@ def main(argv=None) -> None:
         "--model", default=None, help="HF hub id or directory (default: the embedded SmolLM2-135M-Instruct)"
     )
     parser.add_argument(
-        "--heads", default=None, help="a head checkpoint whose draft passes to build too (EAGLE, early exit)"
+        "--heads", default=None, help="a head checkpoint whose draft passes to build too (EAGLE, early exit, Medusa-1)"
     )
     parser.add_argument(
         "--dtype",

@@ -1,7 +1,7 @@
 """The heads' draft passes compiled like the target's (inference.compiled): an EAGLE head's (`HeadPass`) and the
 early-exit draft's (`ExitPass`, both in inference.passes), over the committed tokens (a prompt's first read too) and
-each draft level. A drafter calls `compiled_head`, which gives the compiled passes when the target's are compiled, else
-the head itself."""
+each draft level; Medusa-1 heads' one pass (`MedusaPass`). A drafter calls `compiled_head`, which gives the compiled
+passes when the target's are compiled, else the head itself."""
 
 from __future__ import annotations
 
@@ -11,13 +11,20 @@ import time
 
 import torch
 
-from heads import EagleHead, EarlyExitHead
+from heads import EagleHead, EarlyExitHead, MedusaHeads
 from heads.eagle import causal_mask
 
 from . import packed
 from .compiled import COMPILED_PREFILL_TOKENS, PASSES, CompiledPasses, is_compiled, template_serves_every_pass
 from .packed import packed_linear
-from .passes import exit_cache_shapes, export_exit_pass, export_fuse_pass, export_head_pass, head_cache_shapes
+from .passes import (
+    exit_cache_shapes,
+    export_exit_pass,
+    export_fuse_pass,
+    export_head_pass,
+    export_medusa_pass,
+    head_cache_shapes,
+)
 from .store import weights_digest
 
 
@@ -43,8 +50,9 @@ class HeadPasses(CompiledPasses):
         return self.ready()
 
 
-class EaglePasses(HeadPasses):
-    """Packages made from an EAGLE head: keyed by its config and weights."""
+class OwnWeightsPasses(HeadPasses):
+    """Packages made from heads with weights of their own (an EAGLE head, Medusa heads): keyed by their config and
+    weights."""
 
     def key_parts(self) -> list:
         head = self.module
@@ -55,7 +63,7 @@ class EaglePasses(HeadPasses):
         return next(self.module.parameters()).dtype
 
 
-class CompiledHead(EaglePasses):
+class CompiledHead(OwnWeightsPasses):
     """Calls an EAGLE head like the head itself, through a compiled package: its passes over the committed tokens
     and over each draft level (eager, one decoder layer's pass is mostly overhead between small kernels); an
     EAGLE-3 head's feature fusion through a package of its own (`CompiledFusion`)."""
@@ -102,7 +110,7 @@ class CompiledHead(EaglePasses):
         return export_head_pass(self.module)
 
 
-class CompiledFusion(EaglePasses):
+class CompiledFusion(OwnWeightsPasses):
     """An EAGLE-3 head's feature fusion through a package: the target's hidden states at its feature layers
     [rows, T, n * H] -> the head's input feature [rows, T, H]; eagerly (its weight packed: inference.packed) where
     the package is not had. Its norms, concatenation and product cost 0.4 ms a step eagerly after a target pass has
@@ -127,6 +135,24 @@ class CompiledFusion(EaglePasses):
 
     def export(self):
         return export_fuse_pass(self.module)
+
+
+class CompiledMedusa(OwnWeightsPasses):
+    """Calls Medusa-1 heads like the heads themselves, through a compiled package: the target's last hidden states
+    [rows, H] -> each head's feature [rows, K, H] (their first blocks, which all read those states, one product)."""
+
+    what = "the Medusa heads' pass"
+
+    def __call__(self, hidden):
+        if not self.ready():
+            return self.module(hidden)
+        return self.runner(hidden.contiguous(), [], [])[0]
+
+    def name(self) -> str:
+        return f"medusa-heads-{str(self.dtype).removeprefix('torch.')}"
+
+    def export(self):
+        return export_medusa_pass(self.module)
 
 
 class CompiledEarlyExit(HeadPasses):
@@ -167,8 +193,8 @@ class CompiledEarlyExit(HeadPasses):
 
 
 def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
-    """What a drafter calls to run `head` (an EAGLE head; an early-exit head with passes=CompiledEarlyExit): its
-    compiled passes when `model`'s are compiled, else the head."""
+    """What a drafter calls to run `head` (an EAGLE head; an early-exit head with passes=CompiledEarlyExit, Medusa-1
+    heads with CompiledMedusa): its compiled passes when `model`'s are compiled, else the head."""
     if not is_compiled(model):
         return head
     if not hasattr(head, PASSES):
@@ -178,8 +204,8 @@ def compiled_head(head, model, passes: type[CompiledPasses] = CompiledHead):
 
 def head_passes(heads, model) -> list[CompiledPasses]:
     """The compiled passes of the heads among `heads` (as generate() takes them: a head, a drafter, or a list) that
-    draft through passes of their own: EAGLE heads (and their feature fusions) and early exits. Empty unless
-    `model`'s passes are compiled."""
+    draft through passes of their own: EAGLE heads (and their feature fusions), early exits and Medusa-1 heads. Empty
+    unless `model`'s passes are compiled."""
     if not is_compiled(model):
         return []
     found = []
@@ -188,6 +214,8 @@ def head_passes(heads, model) -> list[CompiledPasses]:
             found.append(compiled_head(head, model))
         elif isinstance(head, EarlyExitHead):
             found.append(compiled_head(head, model, CompiledEarlyExit))
+        elif isinstance(head, MedusaHeads) and head.readers is None:
+            found.append(compiled_head(head, model, CompiledMedusa))
         elif isinstance(getattr(head, "run_head", None), CompiledPasses):  # a drafter built on one
             found.append(head.run_head)
         else:

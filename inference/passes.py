@@ -136,6 +136,19 @@ class FusePass(torch.nn.Module):
         return (self.head.fuse_features(features),)
 
 
+class MedusaPass(torch.nn.Module):
+    """Medusa-1 heads (no cache: its stores are empty lists): (the target's last hidden states [rows, H], [], []) ->
+    (each head's feature [rows, K, H],). Eagerly their residual blocks cost 1.5 ms a step after a target pass
+    (docs/experiments.md, row X24)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, hidden, key_stores, value_stores):
+        return (self.heads(hidden),)
+
+
 class ExitPass(torch.nn.Module):
     """The early-exit draft's pass (the target's first layers with their adapter) with its cache as plain tensors (as
     DecodingPass, which writes the new entries into the stores): (token ids, positions, the additive mask, key/value
@@ -198,6 +211,13 @@ def export_fuse_pass(head):
     example = (torch.zeros(EXAMPLE_ROWS, EXAMPLE_TOKENS, width, dtype=weight.dtype, device=weight.device),)
     dynamic = ({0: ROWS, 1: torch.export.Dim.AUTO},)
     return export_pass(FusePass(head), example, dynamic, [], weight.dtype, weight.device, draft=True)
+
+
+def export_medusa_pass(heads):
+    """Medusa-1 heads' MedusaPass as torch.export's program, every size dynamic."""
+    weight = next(heads.parameters())
+    example = (torch.zeros(EXAMPLE_ROWS, heads.config.hidden_size, dtype=weight.dtype, device=weight.device),)
+    return export_pass(MedusaPass(heads), example, ({0: ROWS},), [], weight.dtype, weight.device, draft=True)
 
 
 def export_exit_pass(head):

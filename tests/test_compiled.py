@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead
+from heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads
 from inference import (
     DynamicTreeSpec,
     OracleDrafter,
@@ -75,14 +75,17 @@ def recorded_shapes(passes, monkeypatch, by_package: dict | None = None) -> list
 
 
 def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_llama, monkeypatch):
-    """An EAGLE head's and an early exit's dynamic trees, an oracle's 30-node tree, prompt lookup and plain steps:
-    every width from 1 up, the cache growing and cropped, all through the one compiled pass (the heads' through
-    their own); identical to HF greedy of the eager model."""
+    """An EAGLE head's and an early exit's dynamic trees, Medusa heads' trees, an oracle's 30-node tree, prompt lookup
+    and plain steps: every width from 1 up, the cache growing and cropped, all through the one compiled pass (the
+    heads' through their own); identical to HF greedy of the eager model."""
     model = compiled_llama
     torch.manual_seed(1)
     eagle = EagleHead(EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True)).eval()
     eagle3 = EagleHead(EagleConfig.for_target(model.config, feature_layers=[0, 1, -1], architecture="eagle3")).eval()
     exit_head = early_exit(model)
+    medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, num_layers=2)).eval()
+    for parameter in medusa.parameters():  # not the zeros they start from: drafts of their own
+        torch.nn.init.normal_(parameter, std=0.05)
     tree30 = best_static_paths(30, default_accuracy(depth=6, ranks=4))
     shapes = recorded_shapes(decoding_pass(model), monkeypatch)
     head_shapes, fusion_shapes = {}, {}
@@ -95,6 +98,9 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
             assert passes.fusion.runner is not None
             assert compiled_heads.head_passes(head, model) == [passes, passes.fusion]  # what warm_up and the CLI see
             fusion_shapes[head] = recorded_shapes(passes.fusion, monkeypatch)
+    medusa_passes = compiled_heads.compiled_head(medusa, model, compiled_heads.CompiledMedusa)
+    assert compiled_heads.head_passes(medusa, model) == [medusa_passes] and medusa_passes.ready(verbose=False)
+    medusa_shapes = recorded_shapes(medusa_passes, monkeypatch)
     for prompt in random_prompts(model.config.vocab_size, 6, seed=3):
         reference = hf_greedy(model, prompt, NEW_TOKENS)
         full = torch.cat([prompt, torch.tensor(reference, dtype=torch.long)])
@@ -102,6 +108,7 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
             "eagle": (eagle, DynamicTreeSpec(depth=4, top_k=3, nodes=10)),
             "eagle3": (eagle3, DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
             "early-exit": (exit_head, DynamicTreeSpec(depth=3, top_k=2, nodes=6)),
+            "medusa": (medusa, None),
             "oracle-tree-30": (OracleDrafter(full, tree30, model.config.vocab_size), None),
             "lookup": (PromptLookupDrafter(max_ngram=2), None),
             "plain": (None, None),
@@ -120,6 +127,7 @@ def test_compiled_decoding_matches_hf_greedy_over_trees_of_every_width(compiled_
         assert first_reads <= {shape[1] for shape in calls}, calls
     for calls in fusion_shapes.values():  # every committed read's features, the prompts' included
         assert 1 in {shape[1] for shape in calls} and prompts <= {shape[1] for shape in calls}, calls
+    assert medusa_shapes and all(rows == 1 for rows, _ in medusa_shapes), "Medusa drafted through its package"
 
 
 def test_passes_of_a_few_tokens_run_through_the_narrow_package_and_wider_ones_through_the_other(

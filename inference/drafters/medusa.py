@@ -10,6 +10,7 @@ import torch
 
 from heads import DraftVocabulary, MedusaHeads
 
+from ..compiled_heads import CompiledMedusa, compiled_head
 from ..context_vocab import ContextVocabulary
 from ..transfer import read_together
 from ..tree import StaticTree, Tree, TreeError, static_tree
@@ -67,6 +68,7 @@ class MedusaDrafter(Drafter):
             )
         # heads with lm_heads of their own score only their own rows
         self.heads, self.context = heads, ContextVocabulary(vocab, context_vocab and heads.lm_heads is None)
+        self.run_head = compiled_head(heads, model, CompiledMedusa)  # compiled like the target's passes, or the heads
         self.reset()
 
     def reset(self, rows: int = 1) -> None:
@@ -97,7 +99,7 @@ class MedusaDrafter(Drafter):
         if depth < 1:
             return [root_only(text) for text in texts]
         vocab = self.context.read_texts(texts, host_texts)
-        logits = self.heads.draft_logits(self.heads(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
+        logits = self.heads.draft_logits(self.run_head(self.hidden)[:, :depth], vocab)  # [rows, depth, N]
         values, indices = self.context.top(logits, min(ranks, logits.shape[-1]))  # a draft vocabulary may be tiny
         roots = torch.stack([text[-1] for text in texts])
         # ONE read: the trees are chosen and built on the host (Tree.from_lists), and checked there by the loop
