@@ -402,6 +402,8 @@ def main(argv=None):
         sampler=sampler,
         collate_fn=collate(pad),
         generator=torch.Generator().manual_seed(cfg.seed),
+        # features read from disk: a worker reads the next batches while this process trains on this one
+        num_workers=1 if cfg.cache_features else 0,
     )
     eval_loader = DataLoader(
         eval_set, batch_size=cfg.batch_size, collate_fn=collate(pad), generator=torch.Generator().manual_seed(cfg.seed)
