@@ -6,7 +6,8 @@
 // (the last dim contiguous), mask [B, 1, Q, L] additive, row g reading mask row g % Q. Scores are exact fp32 dot
 // products of the bfloat16 values (AVX512-BF16's dot product), the softmax in fp32, the weighted sum of the values a
 // dot product too, over the probabilities rounded to bfloat16 (as ATen's flash attention rounds them), summed in fp32;
-// the keys are split into chunks across threads and merged by their maxima (flash decoding). Anything else (more rows,
+// only the keys some query row of a row's mask sees are read (a batch's shorter rows skip the longest row's stretch),
+// split into chunks across threads and merged by their maxima (flash decoding). Anything else (more rows,
 // float32, another head size) goes to ATen's scaled_dot_product_attention, so a compiled graph has one op for every
 // shape.
 
@@ -18,6 +19,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -186,36 +188,81 @@ void attend_chunk(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat
   }
 }
 
+// The keys [begin, end) that some query row of a mask [Q, L] (its rows `row_stride` apart) may see, in blocks of 16:
+// rows of a batch share one cache as long as the longest, and a shorter row's keys between its own end and the
+// step's new entries are masked off for all its queries. A masked key adds exactly nothing (its mask, the dtype's
+// minimum or -inf, takes its probability to 0 beside any seen key), so only these ranges are read. A mask that
+// hides every key keeps them all, to compute what it computed before.
+std::vector<std::pair<int64_t, int64_t>> seen_ranges(const at::BFloat16* mask, int64_t row_stride, int64_t Q,
+                                                     int64_t L) {
+  constexpr float kMasked = -1e30f;  // at or below: no probability beside a seen key
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t begin = 0; begin < L; begin += 16) {
+    const int64_t end = std::min(L, begin + 16);
+    bool seen = false;
+    for (int64_t q = 0; q < Q && !seen; ++q) {
+      const at::BFloat16* m = mask + q * row_stride + begin;
+      if (end - begin == 16) {
+        seen = _mm512_cmp_ps_mask(load16(m), _mm512_set1_ps(kMasked), _CMP_GT_OQ) != 0;
+      } else {
+        for (int64_t i = 0; i < end - begin && !seen; ++i) seen = static_cast<float>(m[i]) > kMasked;
+      }
+    }
+    if (!seen) continue;
+    if (!ranges.empty() && ranges.back().second == begin) {
+      ranges.back().second = end;
+    } else {
+      ranges.emplace_back(begin, end);
+    }
+  }
+  if (ranges.empty()) ranges.emplace_back(0, L);
+  return ranges;
+}
+
 template <int D>
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
                   double scale) {
   const int64_t B = query.size(0), H = query.size(1), G = query.size(2), L = key.size(2), Q = mask.size(2);
   auto out = at::empty_like(query);
   const int64_t heads = B * H, threads = at::get_num_threads();
-  // few heads (one row): the keys split into chunks, so that every thread has work
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((4 * threads + heads - 1) / heads, L / 256));
-  const int64_t chunk = (L + chunks - 1) / chunks;
-  std::vector<float> maxes(heads * chunks * G), sums(heads * chunks * G), accs(heads * chunks * G * D);
   const auto* q = query.data_ptr<at::BFloat16>();
   const auto* k = key.data_ptr<at::BFloat16>();
   const auto* v = value.data_ptr<at::BFloat16>();
   const auto* m = mask.data_ptr<at::BFloat16>();
   const int64_t mask_batch_stride = mask.size(0) == 1 ? 0 : mask.stride(0);  // one mask for every row
-  at::parallel_for(0, heads * chunks, 1, [&](int64_t first, int64_t last) {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> seen(mask.size(0));
+  int64_t longest = 1;  // the most keys a row reads
+  for (int64_t b = 0; b < mask.size(0); ++b) {
+    seen[b] = seen_ranges(m + b * mask.stride(0), mask.stride(2), Q, L);
+    int64_t keys = 0;
+    for (const auto& range : seen[b]) keys += range.second - range.first;
+    longest = std::max(longest, keys);
+  }
+  // few heads (one row): a row's keys split into chunks, so that every thread has work; each chunk is a task
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((4 * threads + heads - 1) / heads, longest / 256));
+  const int64_t chunk = (longest + chunks - 1) / chunks;
+  struct Task {
+    int64_t head, begin, end;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(heads + 1);  // head's tasks: [first_task[head], first_task[head + 1])
+  for (int64_t head = 0; head < heads; ++head) {
+    first_task[head] = tasks.size();
+    for (const auto& range : seen[mask.size(0) == 1 ? 0 : head / H])
+      for (int64_t begin = range.first; begin < range.second; begin += chunk)
+        tasks.push_back({head, begin, std::min(range.second, begin + chunk)});
+  }
+  first_task[heads] = tasks.size();
+  const int64_t count = tasks.size();
+  std::vector<float> maxes(count * G), sums(count * G), accs(count * G * D);
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(G * chunk);
     std::vector<int32_t> probabilities(G * ((chunk + 1) / 2));  // rounded to bfloat16, in pairs
     for (int64_t t = first; t < last; ++t) {
-      const int64_t head = t / chunks, b = head / H, h = head % H, begin = (t % chunks) * chunk;
-      const int64_t end = std::min(L, begin + chunk);
-      if (begin >= end) {
-        std::fill(maxes.begin() + t * G, maxes.begin() + (t + 1) * G, -std::numeric_limits<float>::infinity());
-        std::fill(sums.begin() + t * G, sums.begin() + (t + 1) * G, 0.f);
-        std::fill(accs.begin() + t * G * D, accs.begin() + (t + 1) * G * D, 0.f);
-        continue;
-      }
+      const int64_t head = tasks[t].head, b = head / H, h = head % H;
       attend_chunk<D>(q + head * G * D, k + b * key.stride(0) + h * key.stride(1),
                       v + b * value.stride(0) + h * value.stride(1), m + b * mask_batch_stride, mask.stride(2), G, Q,
-                      begin, end, static_cast<float>(scale), scores.data(), probabilities.data(),
+                      tasks[t].begin, tasks[t].end, static_cast<float>(scale), scores.data(), probabilities.data(),
                       Partial{maxes.data() + t * G, sums.data() + t * G, accs.data() + t * G * D});
     }
   });
@@ -224,10 +271,9 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
     for (int64_t head = first; head < last; ++head)
       for (int64_t g = 0; g < G; ++g) {
         float most = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) most = std::max(most, maxes[(head * chunks + c) * G + g]);
+        for (int64_t t = first_task[head]; t < first_task[head + 1]; ++t) most = std::max(most, maxes[t * G + g]);
         float total = 0.f, row[D] = {0.f};
-        for (int64_t c = 0; c < chunks; ++c) {
-          const int64_t t = head * chunks + c;
+        for (int64_t t = first_task[head]; t < first_task[head + 1]; ++t) {
           if (sums[t * G + g] == 0.f) continue;
           const float weight = std::exp(maxes[t * G + g] - most);
           total += weight * sums[t * G + g];

@@ -78,6 +78,29 @@ def test_a_chunk_whose_keys_are_all_masked_adds_nothing(kernel):
     torch.testing.assert_close(ours.double(), exact, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("masked", [torch.finfo(torch.bfloat16).min, float("-inf")])
+def test_rows_of_different_lengths_read_their_own_keys_and_the_new_ones(kernel, masked):
+    """A batch step: row b sees its first lengths[b] keys and the step's 5 new entries at the cache's end, nothing
+    between (the stretch the kernel skips), each new entry itself and those before it."""
+    rows, keys, new = 4, 900, 5
+    query, key, value, _ = folded_inputs(rows, 3, 3, new, keys, 64)
+    lengths = [895, 40, 333, 17]  # not multiples of 16: the ranges' edges fall inside blocks
+    seen = torch.zeros(rows, 1, new, keys, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        seen[row, :, :, :length] = True
+        seen[row, 0, :, keys - new :] = torch.ones(new, new, dtype=torch.bool).tril()
+    mask = torch.zeros(seen.shape).masked_fill(~seen, masked).bfloat16()
+    ours = kernel(query, key, value, mask, 0.125)
+    repeated = mask.repeat(1, 1, 3, 1)
+    exact = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), repeated.double(), scale=0.125)
+    aten = F.scaled_dot_product_attention(query, key, value, repeated, scale=0.125)
+    assert (ours.double() - exact).abs().max() <= (aten.double() - exact).abs().max() * 1.5 + 1e-3
+    # and the keys it skips are ones it must skip: seen, they would change the answer
+    seen[1, :, :, :keys] = True
+    wider = torch.zeros(seen.shape).masked_fill(~seen, masked).bfloat16()
+    assert (kernel(query, key, value, wider, 0.125)[1].double() - exact[1]).abs().max() > 0.05
+
+
 def test_a_wrong_mask_row_would_be_caught(kernel):
     """The comparison above can fail: row g of a head reads mask row g % queries."""
     query, key, value, mask = folded_inputs(2, 3, 3, 4, 200, 64)
