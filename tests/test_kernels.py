@@ -80,9 +80,10 @@ def test_a_chunk_whose_keys_are_all_masked_adds_nothing(kernel):
 
 @pytest.mark.parametrize("masked", [torch.finfo(torch.bfloat16).min, float("-inf")])
 def test_rows_of_different_lengths_read_their_own_keys_and_the_new_ones(kernel, masked):
-    """A batch step: row b sees its first lengths[b] keys and the step's 5 new entries at the cache's end, nothing
-    between (the stretch the kernel skips), each new entry itself and those before it."""
-    rows, keys, new = 4, 900, 5
+    """A batch step: row b sees its first lengths[b] keys and the step's 3 new entries at the cache's end, nothing
+    between (the stretch the kernel skips), each new entry itself and those before it (9 rows a head: the kernel's
+    own, with AMX tiles too)."""
+    rows, keys, new = 4, 900, 3
     query, key, value, _ = folded_inputs(rows, 3, 3, new, keys, 64)
     lengths = [895, 40, 333, 17]  # not multiples of 16: the ranges' edges fall inside blocks
     seen = torch.zeros(rows, 1, new, keys, dtype=torch.bool)
@@ -99,6 +100,15 @@ def test_rows_of_different_lengths_read_their_own_keys_and_the_new_ones(kernel, 
     seen[1, :, :, :keys] = True
     wider = torch.zeros(seen.shape).masked_fill(~seen, masked).bfloat16()
     assert (kernel(query, key, value, wider, 0.125)[1].double() - exact[1]).abs().max() > 0.05
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="a CPU with AMX tiles")
+def test_with_amx_tiles_twelve_rows_a_head_or_more_go_to_aten(kernel):
+    """ATen's flash attention runs its products on the tiles: from 12 rows a head it is the faster one."""
+    for groups, queries, through_aten in ((3, 4, True), (3, 6, True), (3, 3, False)):
+        query, key, value, mask = folded_inputs(2, 3, groups, queries, 300, 64)
+        aten = F.scaled_dot_product_attention(query, key, value, mask.repeat(1, 1, groups, 1), scale=0.3)
+        assert torch.equal(kernel(query, key, value, mask, 0.3), aten) == through_aten
 
 
 def test_a_wrong_mask_row_would_be_caught(kernel):
