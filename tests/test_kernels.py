@@ -103,10 +103,11 @@ def test_rows_of_different_lengths_read_their_own_keys_and_the_new_ones(kernel, 
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="a CPU with AMX tiles")
-def test_with_amx_tiles_twelve_rows_a_head_or_more_go_to_aten(kernel):
-    """ATen's flash attention runs its products on the tiles: from 12 rows a head it is the faster one."""
-    for groups, queries, through_aten in ((3, 4, True), (3, 6, True), (3, 3, False)):
-        query, key, value, mask = folded_inputs(2, 3, groups, queries, 300, 64)
+def test_with_amx_tiles_many_rows_over_many_keys_go_to_aten(kernel):
+    """ATen's flash attention runs its products on the tiles: from 12 rows a head and 32,768 rows x keys it is the
+    faster one."""
+    for groups, queries, keys, through_aten in ((3, 4, 2800, True), (3, 6, 300, False), (3, 3, 4000, False)):
+        query, key, value, mask = folded_inputs(1, 3, groups, queries, keys, 64)
         aten = F.scaled_dot_product_attention(query, key, value, mask.repeat(1, 1, groups, 1), scale=0.3)
         assert torch.equal(kernel(query, key, value, mask, 0.3), aten) == through_aten
 
