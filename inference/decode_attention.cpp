@@ -27,9 +27,8 @@ namespace {
 
 constexpr int64_t kMaxRows = 64;  // more query rows a head (a prompt's chunk): ATen's flash, built for those
 // With AMX tiles, ATen's flash attention (its products on the tiles) is faster where a head's rows times its keys
-// make enough products: in compiled passes on a 2-core Xeon, 48 rows (16 tree tokens under 3 query heads a key head)
-// over 1,040 keys 1.50 against 1.76 one-token passes, and long prompts (3,000-7,000 keys) 1.17x against 0.98x the
-// plain loop's speed; fewer (24 rows over 1,032 keys, 48 over 80) this kernel stays as fast or faster
+// make enough products: 16 tree tokens (48 rows under 3 query heads a key head) over a thousand keys, or a tree over a
+// long prompt; with fewer rows or keys this kernel is as fast or faster (docs/experiments.md, row X27)
 constexpr int64_t kAmxRows = 12, kAmxProducts = 32768;  // rows a head, rows x keys
 
 bool has_amx_tiles() {
