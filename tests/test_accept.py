@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from inference.accept import Sampling, accepted_path, greedy_path, target_probabilities, target_tokens
+from inference.accept import (
+    GREEDY_CHUNK,
+    Sampling,
+    accepted_path,
+    greedy_path,
+    greedy_tokens,
+    target_probabilities,
+    target_tokens,
+)
 from inference.tree import Tree
 
 
@@ -64,6 +72,23 @@ def test_greedy_ties_go_to_the_first_maximum_as_in_argmax(dtype):
     logits = torch.randint(0, 4, (6, 5, 3000), generator=generator).to(dtype)  # every row has many tied maxima
     assert torch.equal(target_tokens(logits, Sampling()), logits.float().argmax(dim=-1))
     assert target_tokens(torch.tensor([1.0, 5.0, 2.0, 5.0, 5.0], dtype=dtype), Sampling()).item() == 1
+
+
+@pytest.mark.parametrize("vocab", [3 * GREEDY_CHUNK, 3 * GREEDY_CHUNK + 5, GREEDY_CHUNK + 7])
+def test_greedy_finds_the_first_maximum_wherever_it_lies(vocab):
+    """greedy_tokens looks for the maximum stretch by stretch: a maximum at a stretch's edge, in the shorter last
+    stretch, tied across stretches, or a NaN, is found where argmax finds it."""
+    columns = sorted({0, GREEDY_CHUNK - 1, GREEDY_CHUNK, min(2 * GREEDY_CHUNK + 1, vocab - 3), vocab - 1})
+    logits = torch.zeros(len(columns) + 3, vocab, dtype=torch.bfloat16)
+    for row, column in enumerate(columns):
+        logits[row, column] = 1.0
+    logits[-3, [vocab - 1, GREEDY_CHUNK + 3]] = 2.0  # tied in two stretches: the earlier one's
+    logits[-2, [vocab - 2, 5]] = float("nan")  # NaN first, as argmax
+    logits[-1] = -1.0  # every logit the maximum
+    expected = logits.float().argmax(dim=-1)
+    assert expected.tolist()[: len(columns)] == columns
+    assert torch.equal(greedy_tokens(logits), expected)
+    assert torch.equal(greedy_tokens(logits[None, :, :]), expected[None])  # any leading dimensions
 
 
 def test_warpers_match_hugging_face_semantics():
