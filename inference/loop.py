@@ -232,7 +232,7 @@ def join(state: Decoding, rows: list[Row], texts: list[torch.Tensor], prefix: Pr
     if not going:  # every one of them ended at its first token
         return
     if len(going) < len(rows):
-        keep_rows(cache, to_device(going, last_logits.device))
+        keep_rows(cache, going)
         cache.crop(max(rows[slot].prompt_length for slot in going) - cache.get_seq_length())
     if state.active:
         append_rows(state.cache, [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
@@ -549,16 +549,30 @@ def raise_deferred(state: Decoding, checks: list[DeferredCheck], flags: list[int
 
 
 def retire(state: Decoding, going: list[int]) -> None:
-    """Only the rows in `going` (slots of the active rows) stay in the batch, the cache and the drafter."""
+    """Only the rows in `going` (slots of the active rows; state.to_observe holds one entry for each, in that order)
+    stay in the batch, the cache and the drafter. A finished row's slot takes the last row, so that one row's cache
+    entries move instead of every row after it (7 of 8 rows over ~400 entries: 9 ms a finished row)."""
     if len(going) == len(state.active):
         return
-    state.active = [state.active[slot] for slot in going]
-    if going:
-        keep_rows(state.cache, to_device(going, state.cache.layers[0].keys.device))
+    order = last_rows_forward(going)
+    at = {slot: position for position, slot in enumerate(going)}
+    hidden, tokens = state.to_observe
+    state.to_observe = ([hidden[at[slot]] for slot in order], [tokens[at[slot]] for slot in order])
+    state.active = [state.active[slot] for slot in order]
+    if order:
+        keep_rows(state.cache, order)
         state.cache.crop(max(row.cached for row in state.active) - state.cache.get_seq_length())
-        _timed(state, state.drafter.keep_rows, going)
+        _timed(state, state.drafter.keep_rows, order)
     else:  # every row finished: the prompts still to come start afresh (admit), with a new cache and drafter state
         state.cache = None
+
+
+def last_rows_forward(going: list[int]) -> list[int]:
+    """The slots in `going` (ascending) in the order that moves fewest rows: each slot that stays keeps its place,
+    and the places of those that leave take the last rows."""
+    count, staying = len(going), set(going)
+    incoming = iter(slot for slot in going if slot >= count)  # as many as the places left below `count`
+    return [slot if slot in staying else next(incoming) for slot in range(count)]
 
 
 def _timed(state: Decoding, work, *args):

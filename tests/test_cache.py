@@ -17,6 +17,7 @@ from inference.cache import (
     new_cache,
     position_cache,
 )
+from inference.loop import last_rows_forward
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])
@@ -54,8 +55,8 @@ def test_position_cache_matches_dynamic_cache_through_the_loops_operations(share
         assert keep_paths(ours, cached, length, paths) == keep_paths(reference, cached, length, paths)
         same()
     assert ours.layers[0].key_buffer.data_ptr() == buffer  # every pass wrote into the same buffer
-    keep_rows(ours, torch.tensor([0, 2]))  # a row finished
-    keep_rows(reference, torch.tensor([0, 2]))
+    keep_rows(ours, [0, 2])  # a row finished
+    keep_rows(reference, [0, 2])
     same()
     update(2, 300)  # more than the buffer held: it grows, the kept entries are carried over
     same()
@@ -118,8 +119,8 @@ def test_rows_leave_and_join_the_batch_within_the_buffer():
     update(4, 30)
     update(4, 5)
     buffer = ours.layers[0].key_buffer.data_ptr()
-    keep_rows(ours, torch.tensor([1, 3]))
-    keep_rows(reference, torch.tensor([1, 3]))
+    keep_rows(ours, [1, 3])
+    keep_rows(reference, [1, 3])
     same()
     for length in (50, 10):  # a prompt longer than the cache joins, then a shorter one
         keys, values = entries(1, length)
@@ -128,9 +129,30 @@ def test_rows_leave_and_join_the_batch_within_the_buffer():
         same()
     update(4, 5)
     same()
-    keep_rows(ours, torch.tensor([], dtype=torch.long))  # the last rows finished
-    keep_rows(reference, torch.tensor([], dtype=torch.long))
+    keep_rows(ours, [])  # the last rows finished
+    keep_rows(reference, [])
     same()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])
+def test_rows_keep_any_order(shared):
+    """keep_rows takes the rows in any order, overlapping moves included (a cycle), as index_select does; and the
+    loop's order for finished rows moves one row for each that left."""
+    generator = torch.Generator().manual_seed(5)
+    reference, ours = DynamicCache(), position_cache(2 if shared else None)
+    for layer in range(2):
+        keys = torch.randn(4, 2, 9, 4, generator=generator)
+        reference.update(keys, -keys, layer)
+        ours.update(keys.clone(), -keys, layer)
+    for rows in ([2, 0, 1, 3], [3, 1, 2]):
+        keep_rows(reference, rows)
+        keep_rows(ours, rows)
+        for layer in range(2):
+            assert torch.equal(ours.layers[layer].keys, reference.layers[layer].keys)
+            assert torch.equal(ours.layers[layer].values, reference.layers[layer].values)
+    assert last_rows_forward([1, 2, 3, 4, 5, 6, 7]) == [7, 1, 2, 3, 4, 5, 6]
+    assert last_rows_forward([0, 2, 5, 6]) == [0, 5, 2, 6]
+    assert last_rows_forward([3]) == [3] and last_rows_forward([0, 1]) == [0, 1]
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])

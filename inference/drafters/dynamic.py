@@ -152,7 +152,7 @@ class DynamicTreeDrafter(Drafter):
 
     def keep_rows(self, rows: list[int]) -> None:
         if self.cache.get_seq_length():
-            keep_rows(self.cache, to_device(rows, self.last.device))
+            keep_rows(self.cache, rows)
         self.last = None if self.last is None else self.last[rows]
         self.context.keep_rows(rows)
         self.rows = [self.rows[row] for row in rows]
