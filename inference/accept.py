@@ -69,10 +69,9 @@ GREEDY_CHUNK = 1024  # greedy_tokens: the vocabulary's stretch whose maximum is 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[..., V] -> [...]: the first maximum (or the first NaN), as argmax (and so generate()) picks it.
 
-    On a CPU, `max` with indices reads bfloat16 logits at about a third of the pace of `amax`, and `argmax` at a
-    fifteenth: so each stretch of GREEDY_CHUNK logits has its maximum found with `amax`, and `max` with indices runs
-    over the first stretch holding the largest alone (batch 8, 16 tree tokens, SmolLM2's 49,152 logits: 1.3 against
-    2.5 ms on a 2-core Xeon)."""
+    On a CPU, `max` with indices reads bfloat16 logits far slower than `amax` (and `argmax` slower still), so each
+    stretch of GREEDY_CHUNK logits has its maximum found with `amax`, and `max` with indices runs over the first
+    stretch holding the largest alone (docs/experiments.md, row X28)."""
     vocab = logits.shape[-1]
     whole = vocab // GREEDY_CHUNK
     if whole < 2:

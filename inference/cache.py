@@ -346,8 +346,8 @@ def keep_rows(cache, rows: list[int]) -> None:
 
 def move_rows(entries: torch.Tensor, rows: list[int], dim: int = 0) -> None:
     """entries' slots along `dim` become rows[0], rows[1], ... (slots past len(rows) are left as they are): only the
-    slots whose row changes are written, a slot at a time (index_select over the shared buffers' strided view of 8
-    rows took 20 ms, a slot's copy 0.35 ms)."""
+    slots whose row changes are written, a slot at a time (index_select over the shared buffers' strided view is many
+    times slower: docs/experiments.md, row X28)."""
     moved = [(slot, row) for slot, row in enumerate(rows) if slot != row]
     sources = {row for _, row in moved}
     # where a slot is written before its row is read elsewhere (a cycle), the rows are read from copies
