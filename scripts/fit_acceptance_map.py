@@ -1,7 +1,7 @@
 """Fit a head's map from its draft probabilities to the target's acceptance (inference.acceptance_map) on held-out
 prompts, and write it into the checkpoint's config.json.
 
-    python scripts/questions.py heldout --config configs/smollm2-135m-instruct-eagle-corpus.yaml \\
+    python scripts/questions.py heldout --config configs/smollm2-135m-instruct-eagle-corpus-continued.yaml \\
         --out /tmp/heldout.jsonl
     python scripts/fit_acceptance_map.py checkpoints/smollm2-135m-instruct-eagle --questions /tmp/heldout.jsonl --write
 
