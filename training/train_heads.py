@@ -14,6 +14,7 @@ The final heads are written to `output_dir` with `heads.save_heads` (config.json
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import math
@@ -55,6 +56,18 @@ from training.config import ConfigError, TrainConfig, load_config
 from training.data import build_datasets, collate
 from training.features import WithFeatures, cache_features, find_features
 from training.losses import eagle_loss, early_exit_loss, medusa_loss, target_features
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_large_buffers_to_the_os() -> None:
+    """Serve buffers of 1 MiB and more straight from the OS, and give them back when freed (glibc). Every batch's
+    activations have their own shapes; glibc's default threshold rises as large buffers are freed, after which they
+    come from a heap that fragments, and a CPU run's memory grew with every step until the kernel killed it
+    (docs/experiments.md, row X29). Elsewhere (not glibc) nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 class EpochSeededLengthSampler(LengthGroupedSampler):
@@ -281,6 +294,7 @@ def main(argv=None):
     except HeadConfigError as error:
         parser.error(str(error))
 
+    return_large_buffers_to_the_os()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     cfg.resolve_auto_precision(device_type)
     if cfg.mixed_precision == "bf16":
