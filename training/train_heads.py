@@ -64,8 +64,10 @@ def return_large_buffers_to_the_os() -> None:
     """Serve buffers of 1 MiB and more straight from the OS, and give them back when freed (glibc). Every batch's
     activations have their own shapes; glibc's default threshold rises as large buffers are freed, after which they
     come from a heap that fragments, and a CPU run's memory grew with every step until the kernel killed it
-    (docs/experiments.md, row X29). Elsewhere (not glibc) nothing changes."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    (docs/experiments.md, row X29). Elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # a musl libc's does nothing
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
