@@ -39,7 +39,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from heads.eagle import causal_mask
 from heads.files import written_atomically
 
-from . import kernels, store
+from . import huge_pages, kernels, store
 from .cache import new_cache
 from .graph_passes import ResidualAddsApart
 from .passes import cache_shapes, export_decoding_pass, logits_positions, stores_with_room, take_entries
@@ -327,7 +327,7 @@ def _load_or_build(path: Path, program, options: dict, what: str, verbose: bool)
     """The package at `path`, loaded, or built from `program()` first; one that does not load is built again."""
     if path.exists():
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            return _load(path)
         except (RuntimeError, OSError) as error:  # damaged, or from a machine it was not compiled for
             warnings.warn(
                 f"could not load the compiled package {path} ({_reason(error)}); compiling it again", stacklevel=6
@@ -343,7 +343,13 @@ def _load_or_build(path: Path, program, options: dict, what: str, verbose: bool)
         store.build_once(path, lambda staging: _package(program(), staging, options), what=what, verbose=verbose)
     if verbose:
         print(f"  ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return torch._inductor.aoti_load_package(str(path))
+    return _load(path)
+
+
+def _load(path: Path):
+    """The package at `path`, loaded, its weights in huge pages where the machine allows (inference.huge_pages)."""
+    with huge_pages.for_new_mappings():
+        return torch._inductor.aoti_load_package(str(path))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,67 @@
+"""A compiled package's weights in 2 MiB pages (Linux's transparent huge pages).
+
+A decoding pass reads every weight once: about 310 MB for SmolLM2-135M's bfloat16 package, some 76,000 pages of 4 KiB,
+each a miss in the CPU's TLB, whose page walks cost a one-token pass several percent. Where transparent huge pages are
+left to the process (`madvise`, the usual default), the memory a package's loading maps is marked for them and, on a
+kernel of 6.1 or later, collapsed into them at once (MADV_COLLAPSE: about a second for 310 MB on a 2-core Xeon, once a
+process); earlier kernels collapse it in the background (khugepaged). Measured: docs/experiments.md, row X30.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+from pathlib import Path
+
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+HUGE_PAGE = 1 << 21
+MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def available() -> bool:
+    """Whether this process may ask for huge pages: Linux, with transparent huge pages not turned off."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return "[never]" not in MODE.read_text()
+    except OSError:
+        return False
+
+
+def anonymous_mappings() -> dict[int, int]:
+    """This process's private writable mappings that no file backs: start -> end."""
+    mappings = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 5 and fields[1].startswith("rw") and fields[1].endswith("p"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            mappings[start] = end
+    return mappings
+
+
+def collapse(start: int, end: int) -> int:
+    """Ask for huge pages over the whole 2 MiB pages within [start, end); returns the bytes collapsed now (0 where the
+    kernel leaves them to khugepaged)."""
+    start, end = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(start, end - start, MADV_HUGEPAGE) != 0:
+        return 0
+    return end - start if madvise(start, end - start, MADV_COLLAPSE) == 0 else 0
+
+
+@contextlib.contextmanager
+def for_new_mappings(minimum: int = 2 * HUGE_PAGE):
+    """The anonymous mappings of at least `minimum` bytes that the block maps (a package's constants, as it loads) in
+    huge pages where available(); elsewhere the block runs as it is."""
+    if not available():
+        yield
+        return
+    before = anonymous_mappings()
+    yield
+    for start, end in anonymous_mappings().items():
+        if end - start >= minimum and before.get(start) != end:
+            collapse(start, end)
