@@ -375,7 +375,10 @@ def test_soft_cross_entropy_in_blocks_equals_the_formula_and_its_gradient(dtype)
     torch.testing.assert_close(grad, expected, rtol=0.01 if dtype == torch.bfloat16 else 1e-5, atol=1e-7)
 
 
-def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path):
+def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_path, monkeypatch):
+    from training import features
+
+    digest = features.file_digest
     common = dict(max_steps=8, eval_every=8, save_every=8, eagle_unroll=2, **{"head.feature_layers": "[1,-1]"})
     live_run = train(recipe(tiny_chat, tmp_path / "live", **common))
     cached_run = train(recipe(tiny_chat, tmp_path / "cached", cache_features="true", **common))
@@ -390,8 +393,11 @@ def test_cached_features_train_like_features_computed_every_step(tiny_chat, tmp_
     for (name, a), b in zip(live.named_parameters(), cached.parameters()):
         assert torch.allclose(a, b, rtol=2**-7, atol=1e-6), name
     stamps = [p.stat().st_mtime_ns for p in shards]
+    hashed = []
+    monkeypatch.setattr(features, "file_digest", lambda path: hashed.append(path) or digest(path))
     train(recipe(tiny_chat, tmp_path / "again", cache_features="true", **common))  # a rerun reuses the shards
     assert [p.stat().st_mtime_ns for p in shards] == stamps
+    assert not hashed, "shards checked when they were written were hashed again, unchanged since"
     content = shards[0].read_bytes()
     shards[0].write_bytes(content[:-8] + bytes(8))  # a shard damaged on disk: its digest no longer matches
     with pytest.warns(UserWarning, match="does not match its sha256"):
