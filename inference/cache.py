@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import huge_pages
 from .transfer import to_device
 
 
@@ -137,6 +138,7 @@ class SharedBuffers:
         capacity = length + max(256, length // 2)
         self._views = self._narrowed = None  # views of the old buffers: they would keep them alive till the next pass
         self.tensor = like.new_empty(2 * len(self.layers), rows, *like.shape[1:-2], capacity, like.shape[-1])
+        huge_pages.for_tensor(self.tensor)  # attention reads every layer's entries each pass
         for index, layer in enumerate(self.layers):
             keys, values = self.tensor[2 * index], self.tensor[2 * index + 1]
             if _has_entries(layer):

@@ -1,24 +1,30 @@
-"""A compiled package's weights in 2 MiB pages (Linux's transparent huge pages).
+"""A compiled package's weights, and the KV caches' buffers, in 2 MiB pages (Linux's transparent huge pages).
 
 A decoding pass reads every weight once: about 310 MB for SmolLM2-135M's bfloat16 package, some 76,000 pages of 4 KiB,
 each a miss in the CPU's TLB, whose page walks cost a one-token pass several percent. Where transparent huge pages are
 left to the process (`madvise`, the usual default), the memory a package's loading maps is marked for them and, on a
 kernel of 6.1 or later, collapsed into them at once (MADV_COLLAPSE: about a second for 310 MB on a 2-core Xeon, once a
-process); earlier kernels collapse it in the background (khugepaged). Measured: docs/experiments.md, row X30.
+process); earlier kernels collapse it in the background (khugepaged). A KV cache's buffers are asked for huge pages
+before they are written, so they fault in 2 MiB at a time: attention over a long prompt reads every layer's entries each
+pass. Measured: docs/experiments.md, row X30.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 from pathlib import Path
+
+import torch
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 HUGE_PAGE = 1 << 21
 MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.cache
 def available() -> bool:
     """Whether this process may ask for huge pages: Linux, with transparent huge pages not turned off."""
     if not sys.platform.startswith("linux"):
@@ -40,17 +46,27 @@ def anonymous_mappings() -> dict[int, int]:
     return mappings
 
 
-def collapse(start: int, end: int) -> int:
-    """Ask for huge pages over the whole 2 MiB pages within [start, end); returns the bytes collapsed now (0 where the
-    kernel leaves them to khugepaged)."""
+def _madvise(start: int, end: int, advice: int) -> int:
+    """madvise over the whole 2 MiB pages within [start, end): the bytes it applied to (0 where it failed)."""
     start, end = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if end <= start:
         return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(start, end - start, MADV_HUGEPAGE) != 0:
-        return 0
-    return end - start if madvise(start, end - start, MADV_COLLAPSE) == 0 else 0
+    return end - start if madvise(start, end - start, advice) == 0 else 0
+
+
+def collapse(start: int, end: int) -> int:
+    """Ask for huge pages over the whole 2 MiB pages within [start, end) and collapse them now; returns the bytes
+    collapsed (0 where the kernel leaves them to khugepaged)."""
+    return _madvise(start, end, MADV_COLLAPSE) if _madvise(start, end, MADV_HUGEPAGE) else 0
+
+
+def for_tensor(tensor: torch.Tensor) -> None:
+    """Ask for huge pages under a CPU tensor not written yet (new_empty: a KV cache's buffers), where available():
+    its pages then fault in 2 MiB at a time, at no cost beyond the zeroing a page gets anyway."""
+    if tensor.device.type == "cpu" and tensor.nbytes >= 2 * HUGE_PAGE and available():
+        _madvise(tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, MADV_HUGEPAGE)
 
 
 @contextlib.contextmanager
