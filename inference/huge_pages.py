@@ -1,12 +1,11 @@
 """A compiled package's weights, and the KV caches' buffers, in 2 MiB pages (Linux's transparent huge pages).
 
 A decoding pass reads every weight once: about 310 MB for SmolLM2-135M's bfloat16 package, some 76,000 pages of 4 KiB,
-each a miss in the CPU's TLB, whose page walks cost a one-token pass several percent. Where transparent huge pages are
-left to the process (`madvise`, the usual default), the memory a package's loading maps is marked for them and, on a
-kernel of 6.1 or later, collapsed into them at once (MADV_COLLAPSE: about a second for 310 MB on a 2-core Xeon, once a
-process); earlier kernels collapse it in the background (khugepaged). A KV cache's buffers are asked for huge pages
-before they are written, so they fault in 2 MiB at a time: attention over a long prompt reads every layer's entries each
-pass. Measured: docs/experiments.md, row X30.
+each a miss in the CPU's TLB. Where transparent huge pages are left to the process (`madvise`, the usual default), the
+memory a package's loading maps is marked for them and, on a kernel of 6.1 or later, collapsed into them at once
+(MADV_COLLAPSE, once a process, as the package loads); earlier kernels collapse it in the background (khugepaged). A KV
+cache's buffers are asked for huge pages before they are written, so they fault in 2 MiB at a time: attention over a
+long prompt reads every layer's entries each pass. Measured: docs/experiments.md, row X30.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """The frozen target's hidden states for every training sequence, computed once and kept on disk.
 
-Recomputing them every step costs about half of an EAGLE step on a small target (a target forward over the
-batch). A recipe that trains for several epochs sets `cache_features: true` and pays for them once. Shards
-are written atomically, each with its sha256 beside it, so an interrupted run resumes at the shard it stopped in,
-and a rerun with the same target, data, layers and dtype reuses them after checking each against its digest (one
-that does not match, or has none, is computed again). A shard checked once is not read again while its size and
-modification time stay those it had then (`.checked` beside it; delete those files to check every shard again):
-hashing a whole corpus's features (35 GiB) took 75 s on an idle 2-core Xeon and over 20 minutes beside other jobs,
-at every restart of a run. They are stored in the target's dtype: a cached feature is
-exactly the one the loop would have computed. Training reads them memory-mapped, so a corpus whose features exceed
-the machine's memory trains as well as a small one. Features of the same target, rows and dtype at more layers serve
-a recipe that needs fewer (`find_features`): an EAGLE recipe's extraction also trains Medusa heads on the same data.
+Recomputing them every step costs about half of an EAGLE step on a small target (a target forward over the batch). A
+recipe that trains for several epochs sets `cache_features: true` and pays for them once. Shards are written atomically,
+each with its sha256 beside it, so an interrupted run resumes at the shard it stopped in, and a rerun with the same
+target, data, layers and dtype reuses them after checking each against its digest (one that does not match, or has none,
+is computed again). A shard checked once is not read again while its size and modification time stay those it had then
+(`.checked` beside it; delete those files to check every shard again), so a restart does not hash a whole corpus's
+features again (docs/training.md). They are stored in the target's dtype: a cached feature is exactly the one the loop
+would have computed. Training reads them memory-mapped, so a corpus whose features exceed the machine's memory trains as
+well as a small one. Features of the same target, rows and dtype at more layers serve a recipe that needs fewer
+(`find_features`): an EAGLE recipe's extraction also trains Medusa heads on the same data.
 """
 
 from __future__ import annotations
