@@ -45,14 +45,19 @@ def anonymous_mappings() -> dict[int, int]:
     return mappings
 
 
+@functools.cache
+def _libc_madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _madvise(start: int, end: int, advice: int) -> int:
     """madvise over the whole 2 MiB pages within [start, end): the bytes it applied to (0 where it failed)."""
     start, end = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if end <= start:
         return 0
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return end - start if madvise(start, end - start, advice) == 0 else 0
+    return end - start if _libc_madvise()(start, end - start, advice) == 0 else 0
 
 
 def collapse(start: int, end: int) -> int:
