@@ -1,7 +1,7 @@
 """What a draft head is (Medusa, EAGLE, early exit): modules, typed configs, checkpoints validated against their
 target."""
 
-from .config import EagleConfig, EarlyExitConfig, HeadConfigError, MedusaConfig, TargetFingerprint
+from .config import EagleConfig, EarlyExitConfig, HeadConfigError, LayerShape, MedusaConfig, TargetFingerprint
 from .eagle import NO_COPY, EagleHead, copy_embedding, copy_tokens
 from .early_exit import EarlyExitHead
 from .io import build_heads, load_heads, save_heads
@@ -15,6 +15,7 @@ __all__ = [
     "EarlyExitConfig",
     "EarlyExitHead",
     "HeadConfigError",
+    "LayerShape",
     "MedusaConfig",
     "MedusaHeads",
     "NO_COPY",

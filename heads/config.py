@@ -49,6 +49,7 @@ FIELD_TYPES = {  # annotation -> (check, what the error says it must be)
     "list[int]": (lambda v: isinstance(v, (list, tuple)) and all(map(_is_whole, v)), "a list of whole numbers"),
     "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "list[float]": (lambda v: isinstance(v, list) and all(map(_is_number, v)), "a list of finite numbers"),
+    "LayerShape": (lambda v: isinstance(v, LayerShape), "a decoder layer's shape (a mapping)"),
     "list[list[float]]": (
         lambda v: isinstance(v, list) and all(isinstance(r, list) and all(map(_is_number, r)) for r in v),
         "a list of lists of numbers",
@@ -75,6 +76,35 @@ def check_field_types(config, minimum_one: tuple[str, ...] = ()) -> None:
 
 
 @dataclass
+class LayerShape:
+    """One Llama-style decoder layer's shape, the target's by default: a Medusa prefix layer's."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        check_field_types(self, ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"))
+
+    @classmethod
+    def for_target(cls, target_config) -> LayerShape:
+        heads = target_config.num_attention_heads
+        return cls(
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=getattr(target_config, "intermediate_size", None) or 4 * target_config.hidden_size,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
+            rope_theta=_rope_theta(target_config),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 4096),
+        )
+
+
+@dataclass
 class MedusaConfig:
     """K residual blocks on the target's last hidden state; head i predicts the token i+1 steps past the next."""
 
@@ -96,11 +126,22 @@ class MedusaConfig:
     # [w0, w1, w2] of the map from the head's probability of a draft to the target's acceptance of it, fitted on
     # held-out prompts after training (scripts/fit_acceptance_map.py, inference.acceptance_map); None: as it is
     acceptance_map: list[float] | None = None
+    # Hydra++'s prefix attention: one decoder layer of this shape (a training recipe says `true`: the target's)
+    # reads the target's last hidden states of the whole committed text, and the heads start from its output
+    # instead of the last state alone. Sequential heads only; it keeps a cache of its own (heads.medusa).
+    prefix_layer: LayerShape | None = None
     kind: str = "medusa"
 
     def __post_init__(self):
         if self.kind != "medusa":
             raise HeadConfigError(f"MedusaConfig.kind must be 'medusa', got {self.kind!r}")
+        if self.prefix_layer is True:
+            raise HeadConfigError(
+                "MedusaConfig.prefix_layer: true is a training recipe's word for the target's layer shape; a saved "
+                "config holds the shape itself (num_attention_heads, ...)"
+            )
+        if isinstance(self.prefix_layer, dict):  # as config.json holds it
+            self.prefix_layer = dataclass_from_dict(LayerShape, self.prefix_layer, "MedusaConfig.prefix_layer")
         check_field_types(self, ("hidden_size", "vocab_size", "num_heads", "num_layers"))
         _check_draft_vocab(self)
         _check_acceptance_map(self)
@@ -113,6 +154,11 @@ class MedusaConfig:
             raise HeadConfigError(
                 "MedusaConfig.acceptance_map ranks the drafts of trees grown level by level, which only sequential "
                 "heads grow: set sequential: true, or acceptance_map: null"
+            )
+        if self.prefix_layer is not None and not self.sequential:
+            raise HeadConfigError(
+                "MedusaConfig.prefix_layer feeds heads that grow trees level by level: set sequential: true, or "
+                "prefix_layer: null"
             )
         if self.sequential and self.own_lm_heads:
             raise HeadConfigError(
@@ -228,17 +274,10 @@ class EagleConfig:
     @classmethod
     def for_target(cls, target_config, **overrides) -> EagleConfig:
         """A head shaped like one layer of the target (EAGLE's choice)."""
-        heads = target_config.num_attention_heads
         values = dict(
             hidden_size=target_config.hidden_size,
             vocab_size=target_config.vocab_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-            intermediate_size=getattr(target_config, "intermediate_size", None) or 4 * target_config.hidden_size,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
-            rope_theta=_rope_theta(target_config),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 4096),
+            **dataclasses.asdict(LayerShape.for_target(target_config)),
         )
         values.update(overrides)
         return cls(**values)

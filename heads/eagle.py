@@ -56,6 +56,26 @@ def causal_mask(new: int, past: int, dtype: torch.dtype, device) -> torch.Tensor
     return torch.full((new, past + new), torch.finfo(dtype).min, dtype=dtype, device=device).triu_(past + 1)[None, None]
 
 
+def decoder_config(hidden_size: int, shape, num_layers: int) -> LlamaConfig:
+    """A Llama decoder of `num_layers` layers shaped as `shape` says (an EagleConfig or a LayerShape), read through
+    inputs_embeds: the token table stays the target's."""
+    return LlamaConfig(
+        vocab_size=1,
+        hidden_size=hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        rms_norm_eps=shape.rms_norm_eps,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation=GROUPED_SDPA,  # a tree of queries without copying keys and values per head
+    )
+
+
 class Eagle3Layer(nn.Module):
     """EAGLE-3's decoder layer: attention reads [input_layernorm(embedding); hidden_norm(feature)] (2H wide) and
     its residual is the feature. Built from Hugging Face's Llama attention and MLP; only q/k/v are made 2H wide."""
@@ -86,21 +106,7 @@ class EagleHead(nn.Module):
         self.config = config
         hidden = config.hidden_size
         n_features = len(config.feature_layers)
-        layer_config = LlamaConfig(
-            vocab_size=1,  # inputs come as embeddings; the token table stays the target's
-            hidden_size=hidden,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-            bos_token_id=None,
-            eos_token_id=None,
-            attn_implementation=GROUPED_SDPA,  # a tree of queries without copying keys and values per head
-        )
+        layer_config = decoder_config(hidden, config, config.num_layers)
         # EAGLE-3 fuses low/mid/high target layers into one feature; EAGLE-1 uses the last layer as it is.
         self.fuse, self.feature_norms = None, None
         if n_features > 1:

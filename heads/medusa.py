@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LlamaModel
 
-from .config import MedusaConfig
+from .config import LayerShape, MedusaConfig
+from .eagle import decoder_config
 from .vocab import DraftVocabulary
 
 
@@ -42,6 +44,32 @@ class TokenReader(nn.Module):
         return x + nn.functional.silu(self.linear(torch.cat([x, token_embedding], dim=-1)))
 
 
+class PrefixLayer(nn.Module):
+    """One Hugging Face Llama decoder layer (no norm after it) over the target's last hidden states. Its output
+    projections start at zero, so a new layer passes the states through as they are: heads it is added to compute
+    what they did, and training only has to learn what the context adds."""
+
+    def __init__(self, hidden_size: int, shape: LayerShape):
+        super().__init__()
+        self.decoder = LlamaModel(decoder_config(hidden_size, shape, 1))
+        self.decoder.embed_tokens.requires_grad_(False)  # unused (inputs come as states); DDP wants no idle trainables
+        self.decoder.norm = nn.Identity()
+        nn.init.zeros_(self.decoder.layers[0].self_attn.o_proj.weight)
+        nn.init.zeros_(self.decoder.layers[0].mlp.down_proj.weight)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, cache=None):
+        """[B, T, H] states at `position_ids` [B, T] -> [B, T, H]; `attention_mask` additive [B, 1, T, cached + T] or
+        None (causal); `cache` holds the states read before."""
+        out = self.decoder(
+            inputs_embeds=hidden,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=cache is not None,
+        )
+        return out.last_hidden_state
+
+
 class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
@@ -57,6 +85,7 @@ class MedusaHeads(nn.Module):
             if config.sequential
             else None
         )
+        self.prefix = None if config.prefix_layer is None else PrefixLayer(config.hidden_size, config.prefix_layer)
         # the target's token ids the heads draft from (set by training), saved with the weights
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self.lm_heads = None
@@ -65,11 +94,25 @@ class MedusaHeads(nn.Module):
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
             )
 
-    def forward(self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, token_embeddings: torch.Tensor | None = None, at: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[..., H] -> each head's feature [..., K, H]; callers project them, all heads in ONE call.
 
         Sequential heads also take `token_embeddings` [..., D, H], the embeddings of the D <= K tokens after the
-        one `hidden` produced (the root first), and return the first D heads' features [..., D, H]."""
+        one `hidden` produced (the root first), and return the first D heads' features [..., D, H].
+
+        With `at` [N, 2] (row, position), `hidden` is whole right-padded texts [B, T, H], which a prefix layer
+        reads first (causally), and the heads run at those N positions (training). Drafting reads the prefix
+        layer through its cache instead (inference.drafters.medusa), then runs the heads a level at a time (`step`).
+        """
+        if at is not None:
+            if self.prefix is not None:
+                positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+                hidden = self.prefix(hidden, positions)
+            hidden = hidden[at[:, 0], at[:, 1]]
+        elif self.prefix is not None:
+            raise ValueError("Medusa heads with a prefix layer read whole texts: pass at=[N, 2] positions")
         if self.readers is None:
             if token_embeddings is not None:
                 raise ValueError("these Medusa heads are not sequential: they read no token embeddings")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import EOS, hf_greedy, tiny_model
-from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, MedusaConfig, MedusaHeads
+from heads import EagleConfig, EagleHead, EarlyExitConfig, EarlyExitHead, LayerShape, MedusaConfig, MedusaHeads
 from inference import DynamicTreeSpec, PromptLookupDrafter, SequenceDrafter, Tree, generate
 from inference.loop import prefill_inputs, root_inputs, tree_inputs
 from inference.numerics import near_tie
@@ -71,7 +71,13 @@ def heads_for(model):
     # reduced draft vocabularies: rows draft their own prompt's and output's tokens too (inference.context_vocab)
     medusa = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, draft_vocab_size=48))
     sequential = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, num_layers=2, sequential=True))
-    for p in [*medusa.parameters(), *sequential.parameters()]:
+    # Hydra++'s prefix layer keeps a cache of the committed text: ragged rows, rows joining and leaving
+    prefix = MedusaHeads(
+        MedusaConfig.for_target(
+            model.config, num_heads=3, sequential=True, prefix_layer=LayerShape.for_target(model.config)
+        )
+    )
+    for p in [*medusa.parameters(), *sequential.parameters(), *prefix.parameters()]:
         torch.nn.init.normal_(p, std=0.05)  # not the zero init: drafts should vary
     eagle = EagleHead(
         EagleConfig.for_target(model.config, feature_layers=[1, -1], copy_input=True, draft_vocab_size=48)
@@ -86,6 +92,7 @@ def heads_for(model):
         "lookup": (PromptLookupDrafter(max_ngram=2), None),
         "medusa": (medusa.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
         "medusa-sequential": (sequential.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
+        "medusa-prefix": (prefix.eval(), DynamicTreeSpec(depth=3, top_k=3, nodes=8)),
         "eagle-copy": (eagle, tree),
         "eagle3-layout": (eagle3, tree),
         "early-exit": (exit_head, tree),

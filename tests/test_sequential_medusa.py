@@ -2,11 +2,13 @@
 the heads' own chain, the checkpoint round-trips, and what they cannot do is a clear error. Their greedy output
 is checked against HF in test_exactness_tiny.py, their training in test_training.py."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from conftest import tiny_model
-from heads import DraftVocabulary, HeadConfigError, MedusaConfig, MedusaHeads, load_heads, save_heads
+from heads import DraftVocabulary, HeadConfigError, LayerShape, MedusaConfig, MedusaHeads, load_heads, save_heads
 from heads.formats import write_format
 from inference import DynamicTreeSpec, SequentialMedusaDrafter, TreeError, medusa_tree_spec
 from training.losses import medusa_loss
@@ -25,9 +27,9 @@ def random_sequential_heads(hidden=HIDDEN, vocab=VOCAB, heads=HEADS, **extra):
 
 
 class Recording(MedusaHeads):
-    def forward(self, hidden, token_embeddings=None):
-        self.seen = (hidden, token_embeddings)
-        return super().forward(hidden, token_embeddings)
+    def forward(self, hidden, token_embeddings=None, at=None):
+        self.seen = (hidden[at[:, 0], at[:, 1]], token_embeddings)
+        return super().forward(hidden, token_embeddings, at)
 
 
 def test_the_loss_feeds_each_position_the_text_tokens_after_it():
@@ -92,3 +94,73 @@ def test_heads_round_trip_and_refuse_what_they_cannot_do(tmp_path):
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, own_lm_heads=True)
     with pytest.raises(ValueError, match="embeddings of 1 to 3 tokens"):
         loaded(torch.randn(2, model.config.hidden_size))
+
+
+def prefix_heads(model, **extra):
+    """Sequential heads with a prefix layer shaped as the target's, every weight random (the layer's output
+    projections too, so it changes what it reads)."""
+    torch.manual_seed(0)
+    shape = LayerShape.for_target(model.config)
+    heads = MedusaHeads(
+        MedusaConfig.for_target(model.config, num_heads=HEADS, sequential=True, prefix_layer=shape, **extra)
+    )
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return heads.eval()
+
+
+def test_a_prefix_layer_starts_as_a_pass_through_then_reads_the_earlier_states_only():
+    model = tiny_model(vocab_size=VOCAB)
+    hidden_size = model.config.hidden_size
+    plain = random_sequential_heads(hidden=hidden_size)
+    added = MedusaHeads(replace(plain.config, prefix_layer=LayerShape.for_target(model.config))).eval()
+    missing = added.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert missing and all(name.startswith("prefix.") for name in missing)
+    texts, tokens = torch.randn(2, 9, hidden_size), torch.randn(5, HEADS, hidden_size)
+    at = torch.tensor([[0, 8], [1, 3], [1, 0], [0, 4], [1, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(added(texts, tokens, at=at), plain(texts[at[:, 0], at[:, 1]], tokens))
+        for p in added.prefix.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        before = added(texts, tokens, at=at)
+        changed = texts.clone()
+        changed[1, 5] += 1.0  # row 1, position 5: seen by row 1's position 8 only
+        after = added(changed, tokens, at=at)
+    moved = (before - after).abs().amax(dim=(1, 2)) > 1e-4
+    assert moved.tolist() == [False, False, False, False, True]
+    with pytest.raises(ValueError, match="read whole texts"):
+        added(texts[:, -1], tokens[:2])
+
+
+def test_the_drafter_reads_the_prefix_layer_through_its_cache_as_the_layer_reads_the_whole_text():
+    """The states arrive in pieces (the prompt, then what each step commits); the drafter's state for the root
+    is the layer's output over all of them at once, and drafting writes nothing into that cache."""
+    model = tiny_model(vocab_size=VOCAB)
+    heads = prefix_heads(model)
+    drafter = SequentialMedusaDrafter(heads, model, DynamicTreeSpec(depth=HEADS, top_k=2, nodes=5))
+    states = torch.randn(12, model.config.hidden_size)
+    text = torch.randint(0, VOCAB, (13,))
+    with torch.no_grad():
+        for start, end in [(0, 7), (7, 9), (9, 10), (10, 12)]:
+            drafter.observe({-1: states[start:end]}, text[start + 1 : end + 1])
+            drafter.propose(text[: end + 1], max_depth=HEADS)
+            whole = heads.prefix(states[None, :end], torch.arange(end)[None])[0, -1]
+            torch.testing.assert_close(drafter.hidden[0], whole, rtol=1e-5, atol=1e-5)
+            assert drafter.cache.get_seq_length() == end
+
+
+def test_prefix_heads_round_trip_and_refuse_what_they_cannot_be(tmp_path):
+    model = tiny_model(vocab_size=VOCAB)
+    heads = prefix_heads(model)
+    save_heads(heads, tmp_path / "heads", model, dtype=torch.float32)
+    loaded = load_heads(tmp_path / "heads", model)
+    assert loaded.config.prefix_layer == LayerShape.for_target(model.config)
+    for name, tensor in heads.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    shape = LayerShape.for_target(model.config)
+    with pytest.raises(HeadConfigError, match="set sequential: true, or prefix_layer: null"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, prefix_layer=shape)
+    with pytest.raises(HeadConfigError, match="a saved config holds the shape itself"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, prefix_layer=True)
+    with pytest.raises(HeadConfigError, match=r"unknown key\(s\) \['heads'\]"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, prefix_layer={"heads": 2})

@@ -542,6 +542,37 @@ def test_fused_head_warm_started_from_a_one_layer_head_computes_what_it_did(tiny
     assert "init_from:" in error and "is not a head checkpoint" in error
 
 
+def test_sequential_medusa_heads_warm_started_with_a_prefix_layer_compute_what_they_did(tiny_chat, tmp_path):
+    from heads import MedusaConfig, save_heads
+
+    model, _ = load_target(tiny_chat / "model", compile=False)
+    torch.manual_seed(0)
+    source = MedusaHeads(MedusaConfig.for_target(model.config, num_heads=3, sequential=True, draft_vocab_size=16))
+    for p in source.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    source.draft_ids = torch.randperm(model.config.vocab_size)[:16]
+    save_heads(source, tmp_path / "plain", model, dtype=torch.float32)
+    train(  # learning rate 0: the saved heads and a new layer are the warm start itself
+        recipe(
+            tiny_chat,
+            tmp_path / "prefix",
+            max_steps=2,
+            eval_every=2,
+            learning_rate=0,
+            init_from=tmp_path / "plain",
+            **{"head.kind": "medusa", "head.sequential": "true", "head.prefix_layer": "true"},
+            **{"head.num_heads": 3, "head.draft_vocab_size": 16},
+        )
+    )
+    grown = load_heads(tmp_path / "prefix", model)
+    assert grown.prefix is not None and torch.equal(grown.draft_ids, source.draft_ids)
+    texts, tokens, at = torch.randn(2, 6, 64), torch.randn(4, 3, 64), torch.tensor([[0, 5], [1, 2], [0, 0], [1, 5]])
+    with torch.no_grad():  # bf16 checkpoints: the same heads up to one bf16 rounding of their weights
+        torch.testing.assert_close(
+            grown(texts, tokens, at=at), source.eval()(texts[at[:, 0], at[:, 1]], tokens), rtol=0.02, atol=0.02
+        )
+
+
 def run_script(args, env_extra=None, **kwargs):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", **(env_extra or {})}
     return subprocess.Popen(

@@ -89,13 +89,14 @@ def medusa_loss(
     t + 1 .. t + k + 1, as drafting reads a path's tokens; past the end of a row they read its last token (no
     label there)."""
     where = sample_positions(loss_mask[:, 2:].bool(), max_tokens)  # positions head 0 has a label for
+    # [N, K, H], through the (possibly wrapped) module, which reads whole texts (a prefix layer attends over them)
     if embed is None:
-        features = heads(hidden[where[:, 0], where[:, 1]])  # [N, K, H], through the (possibly wrapped) module
+        features = heads(hidden, at=where)
     else:
         after = (where[:, 1:] + 1 + torch.arange(num_heads, device=where.device)).clamp(
             max=input_ids.shape[1] - 1
         )  # [N, K]
-        features = heads(hidden[where[:, 0], where[:, 1]], embed(input_ids[where[:, :1], after]).to(hidden.dtype))
+        features = heads(hidden, embed(input_ids[where[:, :1], after]).to(hidden.dtype), at=where)
     total, metrics = features.sum() * 0.0, {}
     for k in range(features.shape[1]):
         label_at = where[:, 1] + k + 2

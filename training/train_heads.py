@@ -40,6 +40,7 @@ from heads import (
     EagleConfig,
     EagleHead,
     EarlyExitConfig,
+    LayerShape,
     MedusaConfig,
     TargetFingerprint,
     build_heads,
@@ -92,6 +93,8 @@ def head_config(cfg: TrainConfig, target_config):
     clash = sorted(set(options) & set(fixed))
     if clash:
         raise ConfigError(f"head.{clash[0]} comes from the target and cannot be set")
+    if kind is MedusaConfig and options.get("prefix_layer") is True:  # Hydra++'s: shaped as a layer of the target
+        options["prefix_layer"] = LayerShape.for_target(target_config)
     defaults = kind.for_target(target_config)
     config = dataclass_from_dict(kind, {**defaults.__dict__, **options}, "head")
     check_feature_layers(config, target_config, "head.feature_layers: the head")
@@ -110,7 +113,9 @@ def warm_start(heads, path: str, target) -> None:
     (-1) may start from a head that reads -1 alone (EAGLE-1). Its fuse layer then starts as a selector of -1,
     so the new head computes exactly what the old one did, and training only has to learn what the other
     layers add (EAGLE-3's low layers carry the current token's identity, which copying from the context needs).
-    And a head with `copy_input` may start from one without: the new input's weights start at zero.
+    And a head with `copy_input` may start from one without: the new input's weights start at zero. Likewise
+    sequential Medusa heads with a prefix layer may start from the same heads without one: the layer starts as
+    built, passing the target's states through unchanged.
     """
     try:
         source = load_heads(path, target)
@@ -137,6 +142,8 @@ def warm_start(heads, path: str, target) -> None:
         state["fc.weight"] = torch.cat(
             [state["fc.weight"], torch.zeros_like(state["fc.weight"][:, : heads.config.hidden_size])], dim=1
         )
+    if isinstance(heads.config, MedusaConfig) and heads.prefix is not None and source.prefix is None:
+        state = {**{f"prefix.{name}": t for name, t in heads.prefix.state_dict().items()}, **state}
     try:
         heads.load_state_dict(
             {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}

@@ -77,6 +77,7 @@ class DynamicTreeDrafter(Drafter):
     """
 
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
+    drafts_into_cache = True  # whether _expand writes the frontier to the cache (dropped after the step)
     draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
     # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/fit_acceptance_map.py records
@@ -341,7 +342,8 @@ class DynamicTreeDrafter(Drafter):
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
             frontier = children.gather(1, best)
             states = out.gather(1, (best // k)[..., None].expand(-1, -1, out.shape[-1]))
-        self.cache.crop(-sum(f.shape[1] for f in fed))
+        if self.drafts_into_cache:
+            self.cache.crop(-sum(f.shape[1] for f in fed))
         if self.on_grown is not None:
             self.on_grown(texts, nodes, limits, k)
         return nodes, limits, k

@@ -4,6 +4,7 @@ head reads the one before it and grows the tree a level at a time (SequentialMed
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ from ..transfer import read_together
 from ..tree import StaticTree, Tree, TreeError, static_tree
 from ..tree_size import MAX_TOP_K, DynamicTreeSpec, PassCost, likeliest_paths
 from .base import Drafter, as_static_tree, check_head_fits, kept_vocabulary, root_only
-from .dynamic import DraftNodes, DynamicTreeDrafter
+from .dynamic import DraftNodes, DraftRow, DynamicTreeDrafter
 
 
 def medusa_tree_spec(heads: MedusaHeads, nodes: int = 15, cost: PassCost | None = None) -> DynamicTreeSpec:
@@ -124,13 +125,23 @@ class MedusaDrafter(Drafter):
 cached_static_tree = functools.lru_cache(maxsize=4096)(static_tree)  # a step's shape recurs often: build each once
 
 
+@dataclass
+class PrefixRow(DraftRow):
+    pending: list = field(default_factory=list)  # the target's last hidden states observed, not read yet
+
+
 class SequentialMedusaDrafter(DynamicTreeDrafter):
     """EAGLE-2 dynamic trees from sequential (Hydra-style) Medusa heads: head d reads head d-1's feature and its
-    node's token, so growing a level is one pass of one head over the frontier. The heads keep no cache: a row's
-    state is the target's hidden state that produced its root, and `self.last`, head 0's feature from it and the
-    root, gives the depth-1 candidates."""
+    node's token, so growing a level is one pass of one head over the frontier. A row's state `self.hidden` is the
+    target's hidden state that produced its root, and `self.last`, head 0's feature from it and the root, gives the
+    depth-1 candidates.
+
+    Heads with a prefix layer (Hydra++) keep a cache: the layer's over the target's last hidden states of the
+    committed text, which it reads as they are observed; a row's state is then the layer's output for the newest.
+    The levels run the heads alone, so nothing is drafted into that cache."""
 
     hidden_layers = (-1,)
+    drafts_into_cache = False
 
     @classmethod
     def default_tree(cls, heads: MedusaHeads) -> DynamicTreeSpec:
@@ -158,20 +169,63 @@ class SequentialMedusaDrafter(DynamicTreeDrafter):
         self.heads, self.embed = heads, model.get_input_embeddings()
         self.reset()
 
+    def new_row(self) -> PrefixRow:
+        return PrefixRow(level=self.spec.depth)
+
     def reset(self, rows: int = 1) -> None:
         super().reset(rows)
         self.hidden = None  # [rows, H]
 
+    def add_rows(self, count: int) -> None:
+        super().add_rows(count)
+        if self.heads.prefix is not None and self.hidden is not None:  # the new rows' come when they read their prompt
+            self.hidden = torch.cat([self.hidden, self.hidden.new_zeros(count, self.hidden.shape[-1])])
+
     def observe_rows(self, hidden, next_tokens) -> None:
         super().observe_rows(hidden, next_tokens)
-        self.hidden = torch.stack([row[-1][-1] for row in hidden])
+        if self.heads.prefix is None:
+            self.hidden = torch.stack([row[-1][-1] for row in hidden])
+            return
+        for row, row_hidden in zip(self.rows, hidden):
+            row.pending.append(row_hidden[-1])
 
     def keep_rows(self, rows: list[int]) -> None:
         super().keep_rows(rows)
         self.hidden = None if self.hidden is None else self.hidden[rows]
 
     def _read_committed(self, texts: list[torch.Tensor], host_texts: list[np.ndarray]) -> None:
+        if self.heads.prefix is not None:
+            self._read_prefix()
         self.last = self.heads.step(0, self.hidden, self.embed(torch.stack([text[-1] for text in texts])))
+
+    def _read_prefix(self) -> None:
+        """The prefix layer reads the states each row observed since the last proposal; self.hidden becomes its
+        output for each row's newest (rows that read nothing keep theirs)."""
+        counts, states = [], []
+        for row in self.rows:
+            count = sum(state.shape[0] for state in row.pending)
+            skip = self._skip(row, count) if count else 0
+            states.append(torch.cat(row.pending)[skip:] if count else None)
+            counts.append(count - skip)
+            row.pending = []
+        if not any(counts):
+            return
+        if len(self.rows) == 1:  # one sequence: its states as they are, no padded block to fill
+            block = states[0][None]
+        else:
+            first = next(state for state in states if state is not None)
+            block = first.new_zeros(len(self.rows), max(counts), first.shape[-1])  # padding is masked off
+            for index, state in enumerate(states):
+                if state is not None:
+                    block[index, : state.shape[0]] = state
+        self.last = self.hidden  # _append keeps self.last for the rows that read nothing
+        self._append(
+            counts,
+            lambda rows, positions, mask, cache: self.heads.prefix(
+                block[rows, : positions.shape[1]], positions, mask, cache
+            ),
+        )
+        self.hidden = self.last
 
     def _expand(
         self,
