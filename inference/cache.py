@@ -287,8 +287,8 @@ def keep_paths(
     node when the caller has read it already, saves reading it here."""
     kept = [past + path.shape[0] for past, path in zip(cached, paths)]
     lasts = deepest if deepest is not None else [None] * len(paths)
-    if all(
-        past == cache_length and (int(path[-1]) if last is None else last) == path.shape[0] - 1
+    if all(  # an empty path (a row that added nothing) moves nothing
+        path.shape[0] == 0 or (past == cache_length and (int(path[-1]) if last is None else last) == path.shape[0] - 1)
         for past, path, last in zip(cached, paths, lasts)
     ):
         cache.crop(max(kept) - cache.get_seq_length())  # every path is its block's first nodes: already in place

@@ -164,3 +164,36 @@ def test_prefix_heads_round_trip_and_refuse_what_they_cannot_be(tmp_path):
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, prefix_layer=True)
     with pytest.raises(HeadConfigError, match=r"unknown key\(s\) \['heads'\]"):
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, sequential=True, prefix_layer={"heads": 2})
+
+
+def test_rows_of_a_batch_read_the_prefix_layer_each_through_its_own_cache():
+    """Rows of different lengths, a row joining and a row leaving: each row's state is the layer's output over its
+    own states alone."""
+    model = tiny_model(vocab_size=VOCAB)
+    heads, hidden_size = prefix_heads(model), model.config.hidden_size
+    drafter = SequentialMedusaDrafter(heads, model, DynamicTreeSpec(depth=HEADS, top_k=2, nodes=5))
+    torch.manual_seed(1)
+    states = [torch.randn(n, hidden_size) for n in (9, 4, 6)]
+    texts = [torch.randint(0, VOCAB, (n + 1,)) for n in (9, 4, 6)]
+    seen = [0, 0, 0]
+
+    def step(rows, new):  # rows: which sequences are in the batch, in order; new: how many states each commits
+        drafter.observe_rows(
+            [{-1: states[r][seen[r] : seen[r] + n]} for r, n in zip(rows, new)],
+            [texts[r][seen[r] + 1 : seen[r] + n + 1] for r, n in zip(rows, new)],
+        )
+        for r, n in zip(rows, new):
+            seen[r] += n
+        drafter.propose_rows([texts[r][: seen[r] + 1] for r in rows], [HEADS] * len(rows))
+        for slot, r in enumerate(rows):
+            whole = heads.prefix(states[r][None, : seen[r]], torch.arange(seen[r])[None])[0, -1]
+            torch.testing.assert_close(drafter.hidden[slot], whole, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        drafter.reset(2)
+        step([0, 1], [6, 2])  # two prompts of different lengths
+        step([0, 1], [1, 2])  # ragged steps
+        drafter.add_rows(1)
+        step([0, 1, 2], [2, 0, 5])  # a prompt joins; a row commits nothing this step
+        drafter.keep_rows([0, 2])  # row 1 leaves
+        step([0, 2], [0, 1])
