@@ -77,7 +77,7 @@ class DynamicTreeDrafter(Drafter):
     """
 
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
-    drafts_into_cache = True  # whether _expand writes the frontier to the cache (dropped after the step)
+    drafts_into_cache = True  # whether _expand writes the frontier to the cache (dropped after the step), masked
     draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
     # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/fit_acceptance_map.py records
@@ -190,7 +190,7 @@ class DynamicTreeDrafter(Drafter):
         nodes: DraftNodes,
         frontier: torch.Tensor,
         states: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         positions: torch.Tensor,
     ) -> torch.Tensor:
         raise NotImplementedError
@@ -327,16 +327,17 @@ class DynamicTreeDrafter(Drafter):
         )
         states, fed = self.last[:, None].expand(-1, k, -1), []
         start, lengths = self.cache.get_seq_length(), to_device(self.lengths, device)
-        # each row's own committed entries
-        committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)
+        mask = None  # a drafter that keeps no drafts in its cache attends to none of them
+        if self.drafts_into_cache:  # each row's own committed entries
+            committed = (torch.arange(start, device=device) < lengths[:, None])[:, None].expand(-1, k, -1)
         for level in range(1, deepest):
             fed.append(frontier)
-            # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
-            allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
+            if self.drafts_into_cache:
+                # a frontier node sees its row's committed entries and, among the fed draft nodes, its own ancestors
+                allowed = torch.cat([committed, nodes.ancestors_among(frontier, torch.cat(fed, dim=1))], dim=2)
+                mask = additive_mask(allowed, self.last.dtype)[:, None]
             positions = (lengths[:, None] + level - 1).expand(-1, k)  # depth d sits at length + d - 1
-            out = self._expand(
-                level, nodes, frontier, states, additive_mask(allowed, self.last.dtype)[:, None], positions
-            )
+            out = self._expand(level, nodes, frontier, states, mask, positions)
             children = nodes.add_children(frontier, self._top(out, k))
             # EAGLE-2: expand the likeliest
             best = nodes.scores.gather(1, children).topk(min(k, children.shape[1]), dim=1).indices
