@@ -77,7 +77,7 @@ class DynamicTreeDrafter(Drafter):
     """
 
     prompt_window: int | None = PROMPT_WINDOW  # None: read every prompt whole
-    drafts_into_cache = True  # whether _expand writes the frontier to the cache (dropped after the step), masked
+    drafts_into_cache = True  # whether _expand writes the frontier to the cache (dropped after the step) and masks it
     draft_paths = False  # whether _expand reads the frontier's paths (DraftNodes.path_tokens)
 
     # called after each step's drafts are grown, with (texts, nodes, limits, k): scripts/fit_acceptance_map.py records
