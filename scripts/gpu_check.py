@@ -53,7 +53,7 @@ from inference.drafters import TokenDrafter
 from inference.target import default_model_dir, dtype_name
 
 HEAD_CHECKPOINTS = {
-    "eagle": REPO / "checkpoints" / "smollm2-135m-instruct-eagle-cpu-stage2",
+    "eagle": REPO / "checkpoints" / "smollm2-135m-instruct-eagle",
     "medusa": REPO / "checkpoints" / "smollm2-135m-instruct-medusa",
 }
 FIXED = DynamicTreeSpec(depth=5, top_k=8, nodes=15)  # the benchmark's `eagle` method, no lookup, no fallback
