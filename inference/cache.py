@@ -371,6 +371,20 @@ def append_rows(cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> 
         layer.values = torch.cat([_padded(layer.values, length), _padded(new_values, length)])
 
 
+def reserve_rows(cache, rows: int, length: int) -> None:
+    """Room in the cache's shared buffers for `rows` rows of `length` entries, where it holds entries there: prompts
+    about to join the batch then join in place (append_rows), where a full buffer would have them concatenated and
+    the next pass copy every row's entries into a larger one (190 ms for 8 dev prompts on a 2-core EPYC)."""
+    shared = getattr(cache, "shared", None)
+    if shared is None or shared.tensor is None or not all(_has_entries(layer) for layer in shared.layers):
+        return
+    like = shared.layers[0].keys
+    length = max(length, like.shape[-2])
+    if shared.tensor.shape[1] >= rows and shared.tensor.shape[-2] >= length:
+        return
+    shared.grow(like.new_empty(rows, *like.shape[1:-2], 0, like.shape[-1]), length)
+
+
 def _padded(entries: torch.Tensor, length: int) -> torch.Tensor:
     """entries [rows, heads, n, dim] with zero entries after them up to `length`."""
     missing = length - entries.shape[-2]

@@ -3,7 +3,8 @@
 A drafted step verifies several tokens and may accept several; a plain step verifies one and commits one.
 Which is faster depends on the hardware, the dtype and how often this head is right on this text, so the
 loop measures it: the wall time of whole steps (draft, verify, accept, observe) and the tokens each one
-committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed).
+committed (not the first drafted step after a hold, which also feeds the drafter what the hold committed, nor the
+step after a prompt joins, which hands the drafter that prompt).
 `price` plain steps early on price plain decoding (one for a single sequence, whose call is short; a batch
 takes two, as a step's time is noisy and the batch runs long). While the recent drafted steps (at least `judge`
 of them: acceptance comes in bursts, and a few unlucky steps say little, unless they lose clearly) commit fewer
@@ -50,6 +51,7 @@ class Fallback:
         self.ratio: float | None = None  # the last judgement: drafted steps' tokens per second over plain steps'
         self.lost = False  # whether the last judgement went to plain decoding
         self.warm = False  # the first drafted step also feeds the drafter the whole prompt: not timed
+        self.joined = False  # a prompt joined since the last step, whose drafter work that step also did: not timed
 
     def use_drafter(self) -> bool:
         if not self.enabled:
@@ -59,21 +61,21 @@ class Fallback:
         return self.plain_left == 0
 
     def prompt_joined(self) -> None:
-        """A prompt joined the batch: the next drafted step also feeds the drafter that whole prompt, so it is not
-        timed."""
-        self.warm = False
+        """A prompt joined the batch: the next step, plain or drafted, also hands the drafter that prompt's hidden
+        states, and the next drafted step feeds the drafter that whole prompt, so neither is timed (a plain step
+        timed there once priced plain decoding at three times its pace for a whole call)."""
+        self.warm, self.joined = False, True
 
     def record(self, drafted: bool, tokens: float, seconds: float) -> None:
         if not self.enabled:
             return
         if not drafted:
-            self.plain.append((tokens, seconds))
             self.plain_left = max(self.plain_left - 1, 0)
-        elif not self.warm:
-            self.warm = True
+        untimed = self.joined or (drafted and not self.warm)
+        self.joined, self.warm = False, self.warm or drafted
+        if untimed:
             return
-        else:
-            self.drafted.append((tokens, seconds))
+        (self.drafted if drafted else self.plain).append((tokens, seconds))
         if len(self.plain) < self.price:
             return
         clearly_losing = len(self.drafted) >= PROBE and rate(self.drafted) < PROBE_MARGIN * rate(self.plain)

@@ -28,7 +28,7 @@ import torch
 from heads.eagle import causal_mask
 
 from .accept import Sampling, accept, accept_chosen, greedy_path, greedy_tokens, target_tokens
-from .cache import append_rows, keep_new_entries, keep_paths, keep_rows, new_cache
+from .cache import append_rows, keep_new_entries, keep_paths, keep_rows, new_cache, reserve_rows
 from .compiled import COMPILED_PREFILL_TOKENS, decoding_pass
 from .drafters import Drafter, NoDrafter, drafter_name
 from .fallback import Fallback
@@ -210,9 +210,12 @@ def admit(state: Decoding) -> None:
         texts = [row.text[: row.length] for row in rows]
         prefix = shared_prefix(state, texts)
         skip = 0 if prefix is None else prefix.length
+        rows_after, longest = len(state.active) + len(rows), max(text.shape[0] for text in texts)
         for group in reversed(prefill_groups([text.shape[0] - skip for text in texts])):
             group = sorted(group)  # in the order they came
             join(state, [rows[slot] for slot in group], [texts[slot] for slot in group], prefix)
+            if state.cache is not None:  # the groups after this one join in place
+                reserve_rows(state.cache, rows_after, longest)
 
 
 def join(state: Decoding, rows: list[Row], texts: list[torch.Tensor], prefix: Prefix | None) -> None:

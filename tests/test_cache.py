@@ -16,6 +16,7 @@ from inference.cache import (
     keep_rows,
     new_cache,
     position_cache,
+    reserve_rows,
 )
 from inference.loop import last_rows_forward
 
@@ -132,6 +133,39 @@ def test_rows_leave_and_join_the_batch_within_the_buffer():
     keep_rows(ours, [])  # the last rows finished
     keep_rows(reference, [])
     same()
+
+
+def test_rows_reserved_ahead_join_in_place_with_what_they_hold():
+    """Prompts admitted together join group by group (shortest first): room reserved for all of them after the first
+    group keeps the later groups' entries, and the next pass's, in the one allocation (no copy of every row's)."""
+    generator = torch.Generator().manual_seed(5)
+    reference, ours = DynamicCache(), position_cache(2)
+
+    def entries(rows: int, count: int):
+        keys = torch.randn(rows, 2, count, 4, generator=generator)
+        return keys, -keys
+
+    for layer in range(2):  # a first group: 3 prompts of 20 tokens
+        keys, values = entries(3, 20)
+        ours.update(keys.clone(), values.clone(), layer)
+        reference.update(keys, values, layer)
+    reserve_rows(ours, 8, 600)  # then 5 prompts of up to 600 tokens
+    allocation = ours.shared.tensor
+    assert allocation.shape[1] == 8 and allocation.shape[-2] >= 600
+    joining = [entries(5, 600) for _ in range(2)]
+    append_rows(ours, [keys.clone() for keys, _ in joining], [values.clone() for _, values in joining])
+    append_rows(reference, [keys for keys, _ in joining], [values for _, values in joining])
+    for layer in range(2):  # the first pass after them
+        keys, values = entries(8, 4)
+        ours.update(keys.clone(), values.clone(), layer)
+        reference.update(keys, values, layer)
+    assert ours.shared.tensor is allocation
+    for layer in range(2):
+        assert ours.layers[layer].keys.data_ptr() == allocation[2 * layer].data_ptr()
+        assert torch.equal(ours.layers[layer].keys, reference.layers[layer].keys)
+        assert torch.equal(ours.layers[layer].values, reference.layers[layer].values)
+    reserve_rows(ours, 4, 100)  # room enough already: nothing moves
+    assert ours.shared.tensor is allocation
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own-buffers", "shared-buffers"])

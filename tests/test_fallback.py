@@ -86,6 +86,19 @@ def test_a_step_that_reads_a_joining_prompt_is_not_timed():
     assert fallback.use_drafter() and fallback.plain_left == 0
 
 
+def test_the_step_after_prompts_join_is_not_timed_even_when_it_is_plain():
+    """A call that starts held (its heads lost the last call) hands the drafter its prompts in its first, plain, step:
+    timed, that step once priced plain decoding at a third of its pace, and drafting that lost ran the whole call."""
+    fallback, taken = Fallback(judge=4, price=2, last_ratio=0.95), ""
+    fallback.prompt_joined()
+    for at in range(20):  # drafted: 1.5 tokens in 2 s; plain: 1 token in 1 s, the first step 10 s
+        drafting = fallback.use_drafter()
+        fallback.record(drafting, *((1.5, 2.0) if drafting else (1, 10.0 if at == 0 else 1.0)))
+        taken += "D" if drafting else "p"
+    hold = fallback.hold_for(0.95)
+    assert hold == 5 and taken.startswith("p" * hold + "D" * 4 + "p"), taken  # an untimed probe step, three losing
+
+
 def test_a_few_unlucky_steps_do_not_stop_drafting_that_pays_on_average():
     fallback, taken = Fallback(judge=4), ""
     for _ in range(60):  # drafted steps take 2 s and commit 1, 1, then 6 tokens; a plain step commits 1 in 1 s
