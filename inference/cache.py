@@ -374,7 +374,8 @@ def append_rows(cache, keys: list[torch.Tensor], values: list[torch.Tensor]) -> 
 def reserve_rows(cache, rows: int, length: int) -> None:
     """Room in the cache's shared buffers for `rows` rows of `length` entries, where it holds entries there: prompts
     about to join the batch then join in place (append_rows), where a full buffer would have them concatenated and
-    the next pass copy every row's entries into a larger one (190 ms for 8 dev prompts on a 2-core EPYC)."""
+    the next pass copy every row's entries into a larger one (docs/experiments.md, row X31). Rows not written yet
+    take no memory (the buffers are allocated empty, and pages are faulted in as they are written)."""
     shared = getattr(cache, "shared", None)
     if shared is None or shared.tensor is None or not all(_has_entries(layer) for layer in shared.layers):
         return

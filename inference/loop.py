@@ -210,12 +210,12 @@ def admit(state: Decoding) -> None:
         texts = [row.text[: row.length] for row in rows]
         prefix = shared_prefix(state, texts)
         skip = 0 if prefix is None else prefix.length
-        rows_after, longest = len(state.active) + len(rows), max(text.shape[0] for text in texts)
+        longest = max(text.shape[0] for text in texts)
         for group in reversed(prefill_groups([text.shape[0] - skip for text in texts])):
             group = sorted(group)  # in the order they came
             join(state, [rows[slot] for slot in group], [texts[slot] for slot in group], prefix)
-            if state.cache is not None:  # the groups after this one join in place
-                reserve_rows(state.cache, rows_after, longest)
+            if state.cache is not None:  # the groups after this one, and prompts joining later, join in place
+                reserve_rows(state.cache, state.batch_size, longest)
 
 
 def join(state: Decoding, rows: list[Row], texts: list[torch.Tensor], prefix: Prefix | None) -> None:
